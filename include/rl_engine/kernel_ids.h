@@ -1,0 +1,29 @@
+// Ids of the kernels whose launches are counted. The Python side reads the names in this order
+// from rl_engine/ops/counters.py; tests/ops/test_counters.py keeps the two lists equal.
+#pragma once
+
+namespace rl_engine {
+
+enum KernelId : int {
+  kDetGemm = 0,
+  kDetGemmGradInput,
+  kDetGemmGradWeight,
+  kRmsnorm,
+  kRmsnormBackward,
+  kRope,
+  kRopeBackward,
+  kSwiglu,
+  kSwigluBackward,
+  kAttentionFwd,
+  kAttentionDecode,
+  kAttentionBwd,
+  kLinearLogpPartial,
+  kLogpCombine,
+  kLinearLogpBackward,
+  kRankOrderSum,
+  kNumKernels,
+};
+
+enum KernelDevice : int { kCpu = 0, kCuda = 1 };
+
+}  // namespace rl_engine
