@@ -1,0 +1,1 @@
+"""Atomic files, run-directory layout, ids and provenance."""

@@ -1,0 +1,32 @@
+"""Run and attempt ids: `[A-Za-z0-9._-]+`; attempt ids sort by time."""
+
+from __future__ import annotations
+
+import re
+import secrets
+from datetime import datetime, timezone
+
+_ID = re.compile(r"[A-Za-z0-9._-]+")
+
+
+class BadId(ValueError):
+    """An id that could escape its folder or is not `[A-Za-z0-9._-]+`."""
+
+
+def check_id(value: str, what: str = "run id") -> str:
+    if not _ID.fullmatch(value or "") or value in {".", ".."} or ".." in value:
+        raise BadId(f"{what} {value!r} must match [A-Za-z0-9._-]+ without '..'; "
+                    "pick a plain name such as nightly-2026-11-30")
+    return value
+
+
+def new_attempt_id(now: datetime | None = None) -> str:
+    """`<UTC yyyymmddTHHMMSSZ>-<6 hex>`."""
+    now = now or datetime.now(timezone.utc)
+    return f"{now.strftime('%Y%m%dT%H%M%SZ')}-{secrets.token_hex(3)}"
+
+
+def sanitize(value: str) -> str:
+    """Maps any string (an Airflow run id, say) to a valid id."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "_", value).strip("._") or "run"
+    return cleaned.replace("..", "_")

@@ -1,0 +1,1 @@
+"""Collectives with one fixed reduction order at every size, and the production (native) ones."""

@@ -1,0 +1,147 @@
+"""Routes every module's ops to rl_engine's kernels (R) or their production twins (P).
+
+One Router per worker and side. It decides each module's implementation once, before any work:
+in strict mode an R route that cannot run raises RouteUnavailable naming the op and the reason; in
+audit mode it runs the production twin and records fallback=true. Call counts of R routes are the
+deltas of the launch counters kept inside the extension, not the router's own intent.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rl_engine.distributed import collectives
+from rl_engine.ops import attention as attn_ops
+from rl_engine.ops import counters, linear, logp, norm, rope, swiglu
+from rl_engine.runtime import requirements
+from rl_engine.runtime.plan import MODULES, Plan
+
+log = logging.getLogger("rl_engine.route")
+
+
+class RouteUnavailable(RuntimeError):
+    """A strict R route cannot run its rl_engine kernel (exit code 2)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ModuleRecord:
+    module: str
+    case: str
+    requested: str
+    actual: str
+    fallback: bool = False
+    fallback_reason: str | None = None
+    call_counts: collections.Counter = field(default_factory=collections.Counter)
+    shapes: dict[str, set] = field(default_factory=lambda: collections.defaultdict(set))
+
+    @property
+    def implementation(self) -> str:
+        return "rlkernel" if self.actual == "R" else "production"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "module": self.module, "case": self.case, "requested": self.requested,
+            "actual": self.actual, "implementation": self.implementation,
+            "backend_ids": sorted(self.call_counts), "call_counts": dict(sorted(self.call_counts.items())),
+            "fallback": self.fallback, "fallback_reason": self.fallback_reason,
+            "shapes": {k: sorted(v) for k, v in sorted(self.shapes.items())},
+        }
+
+
+class Router:
+    def __init__(self, plan: Plan, *, side: str, engine: str, device: torch.device | str = "cpu"):
+        self.plan, self.side, self.engine = plan, side, engine
+        self.device = torch.device(device)
+        self.records: dict[str, ModuleRecord] = {}
+        for module in MODULES:
+            requested = plan.impl(module, side)
+            record = ModuleRecord(module=module, case=plan.case(module), requested=requested,
+                                  actual=requested)
+            if requested == "R":
+                reason = requirements.missing(module, side, self.device)
+                if reason is not None:
+                    if plan.mode == "strict":
+                        raise RouteUnavailable(
+                            f"strict {side} route of module {module} cannot run: {reason}")
+                    record.actual, record.fallback, record.fallback_reason = "P", True, reason
+            self.records[module] = record
+            log.info("[rl-engine][route] engine=%s side=%s module=%s requested=%s actual=%s "
+                     "fallback=%s pid=%d", engine, side, module, requested, record.actual,
+                     str(record.fallback).lower(), os.getpid())
+
+    def is_r(self, module: str) -> bool:
+        return self.records[module].actual == "R"
+
+    def note(self, module: str, key: str, value: int) -> None:
+        """Adds a shape fact (rows seen, decode batch size, ...) to the module's record."""
+        self.records[module].shapes[key].add(int(value))
+
+    def _run(self, module: str, r_fn, p_fn, p_backend: str, *args):
+        record = self.records[module]
+        if record.actual == "P":
+            record.call_counts[p_backend] += 1
+            return p_fn(*args)
+        before = counters.read()
+        out = r_fn(*args)
+        ran = counters.delta(before, counters.read())
+        if not ran:
+            raise RouteUnavailable(f"module {module}: the R route returned without launching an "
+                                   "rl_engine kernel")
+        for (kernel, device), n in ran.items():
+            record.call_counts[counters.backend_id(kernel, device)] += n
+        return out
+
+    def linear(self, module: str, x, w, bias=None):
+        return self._run(module, linear.det_linear, linear.production_linear,
+                         "production.torch.linear", x, w, bias)
+
+    def rmsnorm(self, module: str, x, w, eps: float):
+        return self._run(module, norm.det_rmsnorm, norm.production_rmsnorm,
+                         "production.torch.rms_norm", x, w, eps)
+
+    def rope(self, module: str, x, positions, theta: float):
+        return self._run(module, rope.det_rope, rope.production_rope, "production.torch.rope",
+                         x, positions, theta)
+
+    def swiglu(self, module: str, gate_up):
+        return self._run(module, swiglu.det_swiglu, swiglu.production_swiglu,
+                         "production.torch.swiglu", gate_up)
+
+    def attention(self, module: str, q, k, v, cu_q, cu_k, q_pos, scale: float):
+        self.note(module, "query_rows", q.shape[0])
+        return self._run(module, lambda *a: attn_ops.det_attention(*a)[0],
+                         attn_ops.production_attention, "production.sdpa",
+                         q, k, v, cu_q, cu_k, q_pos, scale)
+
+    def attention_decode(self, module: str, q, k_cache, v_cache, block_table, seq_lens, scale: float):
+        self.note(module, "decode_batch", q.shape[0])
+        return self._run(module, attn_ops.det_attention_decode, attn_ops.production_attention_decode,
+                         "production.split_kv_decode", q, k_cache, v_cache, block_table, seq_lens,
+                         scale)
+
+    def selected_logp(self, module: str, hidden, weight, target):
+        return self._run(module, logp.det_selected_logp, logp.production_selected_logp,
+                         "production.torch.log_softmax", hidden, weight, target)
+
+    def collective(self, module: str, kind: str, x, group):
+        """all_reduce / all_gather / reduce_scatter with the module's implementation."""
+        fixed = self.is_r(module)
+        fn = getattr(collectives, kind)
+        record = self.records[module]
+        record.call_counts[collectives.backend_id(kind, x, fixed)] += 1
+        if fixed:
+            before = counters.read()
+            out = fn(x, group, fixed=True)
+            for (kernel, device), n in counters.delta(before, counters.read()).items():
+                record.call_counts[counters.backend_id(kernel, device)] += n
+            return out
+        return fn(x, group, fixed=False)
+
+    def module_records(self) -> list[dict[str, Any]]:
+        return [r.as_dict() for r in self.records.values()]
