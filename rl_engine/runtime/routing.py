@@ -9,6 +9,7 @@ deltas of the launch counters kept inside the extension, not the router's own in
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -87,15 +88,21 @@ class Router:
         if record.actual == "P":
             record.call_counts[p_backend] += 1
             return p_fn(*args)
+        with self.kernels(module):
+            return r_fn(*args)
+
+    @contextlib.contextmanager
+    def kernels(self, module: str):
+        """Attributes the extension launches made inside the block to the module's record; an R
+        block that launched nothing is an error, since its result did not come from our kernels."""
         before = counters.read()
-        out = r_fn(*args)
+        yield
         ran = counters.delta(before, counters.read())
         if not ran:
             raise RouteUnavailable(f"module {module}: the R route returned without launching an "
                                    "rl_engine kernel")
         for (kernel, device), n in ran.items():
-            record.call_counts[counters.backend_id(kernel, device)] += n
-        return out
+            self.records[module].call_counts[counters.backend_id(kernel, device)] += n
 
     def linear(self, module: str, x, w, bias=None):
         return self._run(module, linear.det_linear, linear.production_linear,
@@ -135,13 +142,10 @@ class Router:
         fn = getattr(collectives, kind)
         record = self.records[module]
         record.call_counts[collectives.backend_id(kind, x, fixed)] += 1
-        if fixed:
-            before = counters.read()
-            out = fn(x, group, fixed=True)
-            for (kernel, device), n in counters.delta(before, counters.read()).items():
-                record.call_counts[counters.backend_id(kernel, device)] += n
-            return out
-        return fn(x, group, fixed=False)
+        if fixed and kind != "all_gather":
+            with self.kernels(module):
+                return fn(x, group, fixed=True)
+        return fn(x, group, fixed=fixed)
 
     def module_records(self) -> list[dict[str, Any]]:
         return [r.as_dict() for r in self.records.values()]
