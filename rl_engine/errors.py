@@ -1,0 +1,45 @@
+"""The exit-code contract of every `rlk` verb, and the errors that map to it.
+
+0 ok; 1 parity failure (evidence complete, bits differ where the plan requires equality);
+2 bad input or usage (named in one line); 3 infrastructure failure (a worker died, a resource never
+came, evidence incomplete). Orchestration retries only 3.
+"""
+
+from __future__ import annotations
+
+OK, PARITY_FAILURE, BAD_INPUT, INFRASTRUCTURE = 0, 1, 2, 3
+
+
+class RlkError(Exception):
+    exit_code = INFRASTRUCTURE
+
+
+class BadInput(RlkError):
+    """Bad input or usage: a value, file or layout that cannot be used as given."""
+
+    exit_code = BAD_INPUT
+
+
+class InfrastructureError(RlkError):
+    """Something outside the input failed: a worker died, evidence is incomplete."""
+
+    exit_code = INFRASTRUCTURE
+
+
+class ParityFailure(RlkError):
+    exit_code = PARITY_FAILURE
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """Maps any exception to the contract's exit code."""
+    from rl_engine.artifacts.ids import BadId
+    from rl_engine.envs import SettingError
+    from rl_engine.runtime.plan import PlanError
+    from rl_engine.runtime.routing import RouteUnavailable
+
+    if isinstance(exc, RlkError):
+        return exc.exit_code
+    if isinstance(exc, (PlanError, BadId, SettingError, RouteUnavailable, FileNotFoundError,
+                        FileExistsError, ValueError)):
+        return BAD_INPUT
+    return INFRASTRUCTURE

@@ -1,0 +1,107 @@
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from rl_engine.ops import counters
+from rl_engine.runtime import readback
+from rl_engine.runtime.plan import Plan
+from rl_engine.runtime.routing import Router
+
+# Runs a snippet in a fresh interpreter in which the extension cannot be imported.
+_NO_EXTENSION = "import sys; sys.modules['rl_engine._C'] = None\n"
+
+
+def _run_without_extension(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _NO_EXTENSION + textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_strict_route_without_extension_fails_before_work():
+    proc = _run_without_extension("""
+        from rl_engine.runtime.plan import Plan
+        from rl_engine.runtime.routing import Router, RouteUnavailable
+        try:
+            Router(Plan(ffn="P/R", attention="P/P", logp="P/P"), side="rollout", engine="builtin")
+        except RouteUnavailable as exc:
+            print("refused:", exc)
+        else:
+            print("ran")
+    """)
+    assert "refused: strict rollout route of module ffn cannot run: rl_engine._C" in proc.stdout, proc.stderr
+    # The training side of the same plan is P: it needs no extension and is allowed.
+    proc = _run_without_extension("""
+        from rl_engine.runtime.plan import Plan
+        from rl_engine.runtime.routing import Router
+        Router(Plan(ffn="P/R", attention="P/P", logp="P/P"), side="training", engine="builtin")
+        print("ran")
+    """)
+    assert proc.stdout.strip() == "ran", proc.stderr
+
+
+def test_preflight_without_extension_exits_2():
+    proc = _run_without_extension("from rl_engine.cli import main; raise SystemExit(main(['preflight']))")
+    assert proc.returncode == 2, proc.stderr
+    assert "rl_engine._C loads: not built" in proc.stderr
+
+
+def test_audit_mode_records_the_fallback_and_its_reason():
+    proc = _run_without_extension("""
+        import json
+        import torch
+        from rl_engine.runtime.plan import Plan
+        from rl_engine.runtime.routing import Router
+        r = Router(Plan(mode="audit"), side="training", engine="builtin")
+        r.linear("ffn", torch.ones(2, 4), torch.ones(3, 4))
+        print(json.dumps(r.records["ffn"].as_dict()))
+    """)
+    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert rec["requested"] == "R" and rec["actual"] == "P" and rec["fallback"] is True
+    assert "rl_engine._C" in rec["fallback_reason"]
+    assert rec["call_counts"] == {"production.torch.linear": 1}
+
+
+def test_call_counts_come_from_the_kernel_counters(tmp_path):
+    router = Router(Plan(), side="training", engine="builtin")
+    x, w = torch.randn(5, 16, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)
+    before = counters.read()
+    for _ in range(3):
+        router.linear("ffn", x, w)
+    router.swiglu("ffn", torch.randn(5, 16))
+    launched = counters.delta(before, counters.read())
+    assert launched == {("det_gemm", "cpu"): 3, ("swiglu", "cpu"): 1}
+    assert router.records["ffn"].call_counts == {"rlkernel.det_gemm.cpu.v1": 3, "rlkernel.swiglu.cpu.v1": 1}
+    assert router.records["attention"].call_counts == {}
+
+
+def test_readback_has_the_fields_and_is_written_once_per_worker(tmp_path):
+    router = Router(Plan(logp="P/R"), side="training", engine="builtin")
+    router.linear("attention", torch.randn(4, 8), torch.randn(4, 8))
+    router.selected_logp("logp", torch.randn(4, 8), torch.randn(32, 8), torch.arange(4))
+    readback.write(tmp_path, router, run_id="run-1", rank=0)
+    path = readback.write(tmp_path, router, run_id="run-1", rank=0)  # a flush replaces, never adds
+    assert [p.name for p in (tmp_path / "readbacks").iterdir()] == [f"builtin-training-{os.getpid()}.json"]
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == 1 and data["run_id"] == "run-1" and data["rank"] == 0
+    assert data["pid"] == os.getpid() and data["side"] == "training" and data["engine"] == "builtin"
+    assert {"source_commit", "source_dirty", "execution_mode", "kernel_totals"} <= set(data)
+    mods = {m["module"]: m for m in data["modules"]}
+    assert mods["attention"]["implementation"] == "rlkernel"
+    assert mods["attention"]["backend_ids"] == ["rlkernel.det_gemm.cpu.v1"]
+    assert mods["logp"]["implementation"] == "production" and mods["logp"]["case"] == "P/R"
+    assert mods["logp"]["call_counts"] == {"production.torch.log_softmax": 1}
+    assert all(m["fallback"] is False for m in mods.values())
+
+
+def test_route_line_is_logged_once_per_module(caplog):
+    with caplog.at_level(logging.INFO, logger="rl_engine.route"):
+        router = Router(Plan(), side="rollout", engine="builtin")
+        for _ in range(4):
+            router.rmsnorm("ffn", torch.randn(2, 8), torch.ones(8), 1e-6)
+    lines = [r.getMessage() for r in caplog.records if "[rl-engine][route]" in r.getMessage()]
+    assert len(lines) == 3
+    assert any("module=ffn requested=R actual=R fallback=false" in line for line in lines)
