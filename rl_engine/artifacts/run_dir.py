@@ -1,0 +1,70 @@
+"""The run directory: one per run or cell attempt, never reused.
+
+  run.log  exit-code  matrix-case.env  manifest.json
+  readbacks/{<engine>-<side>-<pid>}.json
+  train-data/<rollout-id>.rank<rank>.pt
+  bitwise-validation.json
+  trace/
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from rl_engine.artifacts import files
+from rl_engine.errors import BadInput
+
+
+@dataclass(frozen=True, slots=True)
+class RunDir:
+    root: Path
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / "manifest.json"
+
+    @property
+    def readbacks(self) -> Path:
+        return self.root / "readbacks"
+
+    @property
+    def train_data(self) -> Path:
+        return self.root / "train-data"
+
+    @property
+    def validation(self) -> Path:
+        return self.root / "bitwise-validation.json"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "run.log"
+
+    @property
+    def exit_code(self) -> Path:
+        return self.root / "exit-code"
+
+    @property
+    def trace(self) -> Path:
+        return self.root / "trace"
+
+    @property
+    def weights(self) -> Path:
+        return self.root / "weights"
+
+    def train_data_file(self, rollout_id: str, rank: int) -> Path:
+        return self.train_data / f"{rollout_id}.rank{rank}.pt"
+
+    def write_exit_code(self, code: int) -> None:
+        files.write_text(self.exit_code, f"{code}\n")
+
+
+def create(root: Path) -> RunDir:
+    """Creates an empty run directory; a directory that already holds anything is refused."""
+    root = Path(root)
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise BadInput(f"artifact directory {root} already holds a run; run directories are never "
+                       "reused: give a new RL_KERNEL_ARTIFACT_DIR or RL_KERNEL_RUN_ID")
+    for sub in ("readbacks", "train-data"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    return RunDir(root)

@@ -1,0 +1,1 @@
+"""Bitwise validation of a run directory's evidence."""
