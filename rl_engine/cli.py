@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -29,6 +30,105 @@ def preflight(
         console.print(f"{mark} {check.name}: {check.detail}", highlight=False)
         if not check.ok:
             raise typer.Exit(check.exit_code)
+
+
+@app.command()
+def run(
+    steps: int = typer.Option(1, help="post-training steps; weights are synced between steps"),
+    workload: str = typer.Option("default", help="default (the runbook's) or ci (fewer tokens and ranks)"),
+    tp: int = typer.Option(None, help="trainer TP size (TP_SIZE)"),
+    cp: int = typer.Option(None, help="trainer CP size (CP_SIZE)"),
+    actor_gpus: int = typer.Option(None, help="trainer ranks = TP x CP x DP (ACTOR_GPUS)"),
+    rollout_gpus: int = typer.Option(None, help="rollout ranks (ROLLOUT_GPUS)"),
+    rollout_gpus_per_engine: int = typer.Option(None, help="TP of each rollout engine"),
+    rollout_batch_size: int = typer.Option(None, help="prompts per step (ROLLOUT_BATCH_SIZE)"),
+    n_samples_per_prompt: int = typer.Option(None, help="samples per prompt"),
+    max_response_len: int = typer.Option(None, help="new tokens per sample (exactly)"),
+    max_tokens_per_gpu: int = typer.Option(None, help="micro-batch token budget per rank"),
+    model_root: Path = typer.Option(None, help="Qwen3 folder (MODEL_ROOT); default: embedded tiny"),
+    prompt_data: Path = typer.Option(None, help="JSONL prompts (PROMPT_DATA); default: built-in"),
+    chat_template: bool = typer.Option(False, help="apply the tokenizer's chat template"),
+    run_id: str = typer.Option(None, help="run id (RL_KERNEL_RUN_ID)"),
+    artifact_dir: Path = typer.Option(None, help="the run directory (RL_KERNEL_ARTIFACT_DIR)"),
+    verify_inputs: Path = typer.Option(None, help="manifest.json or sha256sum file the inputs must match"),
+    trace: bool = typer.Option(False, help="record a torch.profiler trace into trace/"),
+    seed: int = typer.Option(0),
+    device: str = typer.Option("cpu", help="cpu or cuda"),
+) -> int:
+    """Run post-training steps under the plan of RL_KERNEL_*_CASE (default: the R/R control)."""
+    from rl_engine import envs
+    from rl_engine.runtime.plan import Plan
+    from rl_engine.step.command import execute, resolve_run
+    from rl_engine.step.config import StepConfig
+
+    plan = Plan.from_env()
+    config = StepConfig.resolve(
+        workload, steps=steps, tp=tp, cp=cp, actor_gpus=actor_gpus, rollout_gpus=rollout_gpus,
+        rollout_gpus_per_engine=rollout_gpus_per_engine, rollout_batch_size=rollout_batch_size,
+        n_samples_per_prompt=n_samples_per_prompt, max_response_len=max_response_len,
+        max_tokens_per_gpu=max_tokens_per_gpu, seed=seed, device=device)
+    rid, root = resolve_run(run_id, artifact_dir)
+    return execute(config=config, plan=plan, run_id=rid, root=root,
+                   model_root=model_root or envs.MODEL_ROOT, prompt_file=prompt_data or envs.PROMPT_DATA,
+                   verify_inputs=verify_inputs, chat_template=chat_template, trace=trace,
+                   validate_after=envs.VALIDATE_ARTIFACTS or envs.CI_TEST,
+                   require_bitwise=envs.CI_TEST, threshold=envs.CI_LOGP_ABS_DIFF_THRESHOLD)
+
+
+@app.command("validate")
+def validate_cmd(
+    readback_dir: Path = typer.Option(..., help="the run's readbacks/ folder"),
+    train_data_dir: Path = typer.Option(..., help="the run's train-data/ folder"),
+    output: Path = typer.Option(..., help="where to write bitwise-validation.json"),
+    require_bitwise: bool = typer.Option(False, help="bitwise equality required (CI_TEST=1 sets it)"),
+    run_id: str = typer.Option(None, help="the run id every record must carry (default: the manifest's)"),
+) -> int:
+    """Check a run's evidence: complete, of this run id, and bitwise equal where required."""
+    import json
+
+    from rl_engine import envs
+    from rl_engine.artifacts import files
+    from rl_engine.runtime.plan import Plan
+    from rl_engine.validation.validate import exit_code, validate
+
+    plan = numel = None
+    man = Path(readback_dir).parent / "manifest.json"
+    if man.exists():
+        data = json.loads(man.read_text())
+        run_id = run_id or data.get("run_id")
+        plan = Plan(**data["plan"])
+        layout = data.get("layout", {})
+        numel = layout.get("numel_per_step", 0) * layout.get("steps", 1) or None
+    report = validate(readback_dir, train_data_dir, run_id=run_id, plan=plan, expected_numel=numel,
+                      require_bitwise=require_bitwise or envs.CI_TEST)
+    files.write_json(output, report)
+    for problem in report["problems"]:
+        console.print(f"[red]problem[/] {problem}", highlight=False)
+    console.print(f"passed={report['passed']} evidence_complete={report['evidence_complete']} "
+                  f"bitwise={report['bitwise']} bitwise_required={report['bitwise_required']} "
+                  f"numel={report['numel']} mismatch_count={report['mismatch_count']} "
+                  f"max_abs_diff={report['max_abs_diff']}", highlight=False)
+    return exit_code(report)
+
+
+manifest_app = typer.Typer(no_args_is_help=True, help="Record and check input hashes.")
+app.add_typer(manifest_app, name="manifest")
+
+
+@manifest_app.command("verify")
+def manifest_verify(file: Path = typer.Argument(..., help="manifest.json or a sha256sum-format file")) -> int:
+    """Check every input file against its recorded sha256; exit 2 naming the first difference."""
+    from rl_engine.artifacts import manifest
+
+    if not file.is_file():
+        console.print(f"[red]error[/] {file} does not exist", highlight=False)
+        return 2
+    problems = manifest.verify(file)
+    for p in problems:
+        console.print(f"[red]differs[/] {p}", highlight=False)
+    if not problems:
+        console.print(f"ok: every input matches {file}", highlight=False)
+    return 2 if problems else 0
 
 
 def _mount_optional() -> None:

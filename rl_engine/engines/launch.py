@@ -38,12 +38,25 @@ def _die_with_parent() -> None:
         pass
 
 
+def _log_to_run_log() -> None:
+    """Workers append their log lines (route lines among them) to the run's run.log."""
+    import logging
+
+    path = os.environ.get("RLK_RUN_LOG")
+    if path:
+        handler = logging.FileHandler(path, mode="a")
+        handler.setFormatter(logging.Formatter("%(asctime)s pid=%(process)d %(message)s"))
+        logging.getLogger().addHandler(handler)
+        logging.getLogger().setLevel(logging.INFO)
+
+
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results) -> None:
     _die_with_parent()
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    _log_to_run_log()
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)

@@ -1,0 +1,80 @@
+"""The `rlk run` command: resolve the settings, create the run directory, run, validate, report."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from rl_engine import envs, errors
+from rl_engine.artifacts import files, ids
+from rl_engine.artifacts import run_dir as run_dirs
+from rl_engine.runtime.plan import Plan
+from rl_engine.step import inputs as step_inputs
+from rl_engine.step.config import StepConfig
+from rl_engine.step.runner import run_steps, summary
+from rl_engine.validation.validate import exit_code, validate
+
+console = Console(stderr=True)
+
+
+def resolve_run(run_id: str | None, artifact_dir: Path | None) -> tuple[str, Path]:
+    run_id = run_id or envs.RL_KERNEL_RUN_ID or f"run-{ids.new_attempt_id()}"
+    ids.check_id(run_id)
+    root = artifact_dir or envs.RL_KERNEL_ARTIFACT_DIR or (envs.RLK_RUNS_ROOT / run_id)
+    return run_id, Path(root)
+
+
+def execute(*, config: StepConfig, plan: Plan, run_id: str, root: Path, model_root: Path | None,
+            prompt_file: Path | None, verify_inputs: Path | None, chat_template: bool,
+            trace: bool, validate_after: bool, require_bitwise: bool, threshold: float) -> int:
+    """Runs the steps into a new run directory; returns the exit code (also written there)."""
+    run = run_dirs.create(root)
+    handler = logging.FileHandler(run.log)
+    handler.setFormatter(logging.Formatter("%(asctime)s pid=%(process)d %(message)s"))
+    logging.getLogger().addHandler(handler)
+    os.environ["RLK_RUN_LOG"] = str(run.log)
+    code = errors.INFRASTRUCTURE
+    try:
+        inputs = step_inputs.load(model_root, prompt_file, count=config.rollout_batch_size,
+                                  chat_template=chat_template, verify_with=verify_inputs)
+        with console.status("starting") as status:
+            figures = run_steps(plan=plan, config=config, inputs=inputs, run=run, run_id=run_id,
+                                trace=trace, on_phase=lambda p: status.update(p))
+        result = summary(figures)
+        code = errors.OK
+        if require_bitwise and result["max_abs_diff"] > threshold:
+            code = errors.PARITY_FAILURE
+        if validate_after:
+            report = validate(run.readbacks, run.train_data, run_id=run_id, plan=plan,
+                              expected_numel=config.numel_per_step * config.steps,
+                              require_bitwise=require_bitwise)
+            files.write_json(run.validation, report)
+            code = exit_code(report) or code
+        _print_summary(run_id, plan, run.root, figures, code)
+        return code
+    except BaseException as exc:
+        code = errors.exit_code_for(exc) if isinstance(exc, Exception) else errors.INFRASTRUCTURE
+        logging.getLogger("rl_engine.step").error("run failed (%s): %s", type(exc).__name__, exc)
+        raise
+    finally:
+        run.write_exit_code(code)
+        logging.getLogger().removeHandler(handler)
+        os.environ.pop("RLK_RUN_LOG", None)
+
+
+def _print_summary(run_id: str, plan: Plan, root: Path, figures, code: int) -> None:
+    table = Table(title=f"rlk run {run_id}  plan attention={plan.attention} ffn={plan.ffn} "
+                        f"logp={plan.logp}")
+    for col in ("step", "numel", "mismatch_count", "max_abs_diff", "rollout s", "training s"):
+        table.add_column(col, justify="right")
+    for f in figures:
+        table.add_row(str(f.step), str(f.numel), str(f.mismatch_count), repr(f.max_abs_diff),
+                      str(f.seconds.get("rollout")), str(f.seconds.get("training")))
+    console.print(table)
+    for f in figures:
+        print(f.line(), flush=True)
+    console.print(f"run directory: {root}  exit code {code}", highlight=False)

@@ -1,0 +1,130 @@
+"""`rlk run`: N post-training steps under one operator plan, leaving a self-contained run directory.
+
+Per step: the rollout engines generate samples and report the log-prob of each sampled token; the
+trainer recomputes the log-probs of the same tokens, takes a GRPO step and returns its updated
+weights; the weights are synced to the rollout engines for the next step (verified by a checksum
+on both sides). Each worker writes its own readback; the runner writes train-data and figures.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from rl_engine.artifacts import files, manifest
+from rl_engine.artifacts.run_dir import RunDir
+from rl_engine.engines.rollout.engine import state_checksum
+from rl_engine.engines.rollout.worker import RolloutJob, run_rollout
+from rl_engine.errors import InfrastructureError
+from rl_engine.runtime.plan import Plan
+from rl_engine.step.config import StepConfig
+from rl_engine.step.inputs import Inputs
+
+log = logging.getLogger("rl_engine.step")
+
+
+@dataclass(kw_only=True, slots=True)
+class StepFigures:
+    step: int
+    rollout_id: str
+    numel: int
+    mismatch_count: int
+    max_abs_diff: float
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def line(self) -> str:
+        return (f"step {self.step}: train_current_rollout_logprob_numel={self.numel} "
+                f"train_current_rollout_logprob_mismatch_count={self.mismatch_count} "
+                f"train_current_rollout_logprob_max_abs_diff={self.max_abs_diff}")
+
+
+def _train(plan: Plan, config: StepConfig, inputs: Inputs, state, samples, run: RunDir, run_id: str,
+           step: int, trace: bool):
+    from rl_engine.engines.train.worker import TrainJob, run_training
+
+    job = TrainJob(config=inputs.config, state=state, plan=plan, samples=samples, tp=config.tp,
+                   cp=config.cp, dp=config.dp, max_tokens_per_gpu=config.max_tokens_per_gpu,
+                   seed=config.seed + step, run_dir=run.root, run_id=run_id,
+                   extra={"step": step}, trace_dir=run.trace if trace else None)
+    return run_training(job)
+
+
+def _write_train_data(run: RunDir, run_id: str, rollout_id: str, step: int, samples,
+                      trainer_logprobs: list[torch.Tensor], dp: int, ranks_per_replica: int) -> StepFigures:
+    """One file per DP replica (its samples), named by the replica's first trainer rank."""
+    numel = mismatches = 0
+    max_diff = 0.0
+    per_replica = -(-len(samples) // dp)
+    for replica in range(dp):
+        idx = list(range(replica * per_replica, min(len(samples), (replica + 1) * per_replica)))
+        if not idx:
+            continue
+        ro = torch.stack([samples[i].logprobs for i in idx])
+        tr = torch.stack([trainer_logprobs[i].float() for i in idx])
+        prompt_lens = [len(samples[i].prompt) for i in idx]
+        length = ro.shape[1]
+        payload = {
+            "run_id": run_id, "rollout_id": rollout_id, "step": step,
+            "sample_ids": torch.tensor(idx),
+            "prompt_index": torch.tensor([samples[i].prompt_index for i in idx]),
+            "tokens": torch.tensor([samples[i].tokens for i in idx]),
+            "positions": torch.stack([torch.arange(p, p + length) for p in prompt_lens]),
+            "rollout_logprobs": ro, "trainer_logprobs": tr,
+        }
+        files.write_torch(run.train_data_file(rollout_id, replica * ranks_per_replica), payload)
+        numel += ro.numel()
+        mismatches += int((~torch.eq(ro, tr)).sum())
+        max_diff = max(max_diff, float((ro - tr).abs().max()))
+    return StepFigures(step=step, rollout_id=rollout_id, numel=numel, mismatch_count=mismatches,
+                       max_abs_diff=max_diff)
+
+
+def run_steps(*, plan: Plan, config: StepConfig, inputs: Inputs, run: RunDir, run_id: str,
+              trace: bool = False, on_phase: Callable[[str], None] = lambda _: None) -> list[StepFigures]:
+    import time
+
+    man = manifest.build(run_id=run_id, plan=plan.as_dict(), layout=config.as_dict(),
+                         inputs=inputs.files())
+    manifest.write(run.manifest, man)
+    state = inputs.state
+    figures: list[StepFigures] = []
+    for step in range(config.steps):
+        rollout_id = f"rollout-{step:04d}"
+        t0 = time.monotonic()
+        on_phase(f"step {step}: rollout ({config.engines} engines x TP {config.rollout_gpus_per_engine})")
+        job = RolloutJob(config=inputs.config, state=state, plan=plan, prompts=inputs.prompts,
+                         n_samples=config.n_samples_per_prompt, max_new_tokens=config.max_response_len,
+                         seed=config.seed + 1000 * step, engines=config.engines,
+                         tp=config.rollout_gpus_per_engine, run_dir=run.root, run_id=run_id,
+                         extra={"step": step})
+        samples, results = run_rollout(job)
+        want = state_checksum(state)
+        synced = {r["weights_checksum"] for r in results}
+        if synced != {want}:
+            raise InfrastructureError(f"weight sync failed at step {step}: rollout engines hold "
+                                      f"{sorted(synced)}, the trainer published {want}")
+        t1 = time.monotonic()
+        on_phase(f"step {step}: training (TP {config.tp} x CP {config.cp} x DP {config.dp})")
+        result = _train(plan, config, inputs, state, samples, run, run_id, step, trace)
+        t2 = time.monotonic()
+        fig = _write_train_data(run, run_id, rollout_id, step, samples, result.logprobs, config.dp,
+                                config.tp * config.cp)
+        fig.seconds = {"rollout": round(t1 - t0, 3), "training": round(t2 - t1, 3)}
+        log.info(fig.line())
+        figures.append(fig)
+        state = result.state
+        files.write_json(run.weights / f"step-{step:04d}.json",
+                         {"run_id": run_id, "step": step, "checksum": state_checksum(state),
+                          "loss": result.loss})
+    return figures
+
+
+def summary(figures: list[StepFigures]) -> dict[str, Any]:
+    return {"steps": [f.__dict__ | {"line": f.line()} for f in figures],
+            "numel": sum(f.numel for f in figures),
+            "mismatch_count": sum(f.mismatch_count for f in figures),
+            "max_abs_diff": max((f.max_abs_diff for f in figures), default=0.0)}
