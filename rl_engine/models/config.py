@@ -57,6 +57,15 @@ class Qwen3Config:
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in names}
         kwargs.setdefault("head_dim", data["hidden_size"] // data["num_attention_heads"])
+        # transformers 5 writes the RoPE settings as rope_parameters (older files: rope_theta and
+        # rope_scaling); only plain RoPE is implemented, so scaled variants are refused.
+        rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"RoPE scaling {rope!r} is not supported; only plain RoPE is")
+        if "rope_theta" in rope:
+            kwargs["rope_theta"] = rope["rope_theta"]
+        if data.get("use_sliding_window"):
+            raise ValueError("use_sliding_window=true is not supported; only full attention is")
         if isinstance(kwargs.get("torch_dtype"), str) is False:
             kwargs["torch_dtype"] = data.get("dtype", "bfloat16")
         return cls(**kwargs)
