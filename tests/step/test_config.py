@@ -1,0 +1,71 @@
+import pytest
+
+from rl_engine.artifacts import ids, run_dir
+from rl_engine.errors import BadInput
+from rl_engine.step.config import StepConfig
+
+_RUNBOOK = ("TP_SIZE", "CP_SIZE", "ACTOR_GPUS", "ROLLOUT_GPUS", "ROLLOUT_GPUS_PER_ENGINE",
+            "ROLLOUT_BATCH_SIZE", "N_SAMPLES_PER_PROMPT", "MAX_RESPONSE_LEN", "GLOBAL_BATCH_SIZE",
+            "MAX_TOKENS_PER_GPU")
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in _RUNBOOK:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_default_workload_is_the_runbooks():
+    c = StepConfig.resolve()
+    assert (c.tp, c.cp, c.dp, c.engines, c.rollout_gpus_per_engine) == (2, 2, 1, 2, 2)
+    assert (c.rollout_batch_size, c.n_samples_per_prompt, c.max_response_len) == (1, 2, 128)
+    assert c.numel_per_step == 256
+
+
+def test_runbook_variables_override_the_preset_and_flags_override_them(monkeypatch):
+    monkeypatch.setenv("TP_SIZE", "1")
+    monkeypatch.setenv("ACTOR_GPUS", "4")
+    c = StepConfig.resolve("ci", cp=2)
+    assert (c.tp, c.cp, c.dp) == (1, 2, 2)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"ACTOR_GPUS": "3"}, "ACTOR_GPUS=3 is not a multiple of TP_SIZE x CP_SIZE"),
+    ({"ROLLOUT_GPUS": "3"}, "ROLLOUT_GPUS=3 is not a multiple of ROLLOUT_GPUS_PER_ENGINE"),
+    ({"GLOBAL_BATCH_SIZE": "5"}, "GLOBAL_BATCH_SIZE=5 differs"),
+    ({"MAX_RESPONSE_LEN": "0"}, "MAX_RESPONSE_LEN=0 must be at least 1"),
+])
+def test_layouts_that_cannot_be_honoured_are_refused(monkeypatch, env, message):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(BadInput, match=message):
+        StepConfig.resolve()
+
+
+def test_a_non_integer_setting_names_the_variable(monkeypatch):
+    from rl_engine.envs import SettingError
+
+    monkeypatch.setenv("TP_SIZE", "two")
+    with pytest.raises(SettingError, match="TP_SIZE='two' is not an integer"):
+        StepConfig.resolve()
+
+
+@pytest.mark.parametrize("bad", ["a/b", "..", "x..y", "", "run id", "../etc"])
+def test_run_ids_that_could_escape_are_refused(bad):
+    with pytest.raises(ids.BadId):
+        ids.check_id(bad)
+
+
+def test_attempt_ids_sort_by_time():
+    from datetime import datetime, timezone
+
+    a = ids.new_attempt_id(datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc))
+    b = ids.new_attempt_id(datetime(2026, 1, 2, 3, 4, 6, tzinfo=timezone.utc))
+    assert a.startswith("20260102T030405Z-") and len(a.split("-")[1]) == 6 and a < b
+
+
+def test_a_run_directory_is_never_reused(tmp_path):
+    run = run_dir.create(tmp_path / "r1")
+    (run.root / "run.log").write_text("x")
+    with pytest.raises(BadInput, match="already holds a run"):
+        run_dir.create(tmp_path / "r1")
