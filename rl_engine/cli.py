@@ -13,7 +13,7 @@ from rl_engine import errors
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Prove that an RL trainer and its rollout engine compute the same log-probs.")
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 
 @app.command()

@@ -18,7 +18,7 @@ from rl_engine.step.config import StepConfig
 from rl_engine.step.runner import run_steps, summary
 from rl_engine.validation.validate import exit_code, validate
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 
 def resolve_run(run_id: str | None, artifact_dir: Path | None) -> tuple[str, Path]:
