@@ -1,0 +1,223 @@
+"""A serving-style rollout engine: continuous batching over a paged KV cache.
+
+Up to `max_batch` sequences are live at once. Newly admitted prompts are prefilled together in one
+packed varlen call; then every live sequence advances one token per decode step. Finished
+sequences give their pages back and waiting ones take them. Every sample generates exactly
+`max_new_tokens` tokens (parity workloads are fixed length; EOS is not special).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from rl_engine.engines.rollout import sampling
+from rl_engine.engines.rollout.kv_cache import (DecodeBackend, PagedKVCache, PrefillBackend,
+                                                SeqSlot, is_fragmented, pages_for)
+from rl_engine.models.qwen3 import Qwen3
+from rl_engine.models.tp import TPGroup
+from rl_engine.ops import logp as logp_ops
+from rl_engine.runtime.routing import Router
+
+
+@dataclass(kw_only=True, slots=True)
+class Sample:
+    prompt_index: int
+    sample_index: int
+    prompt: list[int]
+    tokens: list[int]          # the response's token ids
+    logprobs: torch.Tensor     # fp32 [len(tokens)], log p(tokens[i] | prompt, tokens[:i])
+
+    def plain(self) -> dict:
+        """Tensor-free form, safe to send between processes."""
+        return {"prompt_index": self.prompt_index, "sample_index": self.sample_index,
+                "prompt": list(self.prompt), "tokens": list(self.tokens),
+                "logprobs": self.logprobs.tolist()}
+
+    @classmethod
+    def from_plain(cls, d: dict) -> Sample:
+        return cls(**{**d, "logprobs": torch.tensor(d["logprobs"], dtype=torch.float32)})
+
+
+@dataclass(slots=True)
+class _Seq:
+    sample: Sample
+    seed: int
+    slot: SeqSlot
+    logprobs: list[torch.Tensor]
+
+
+def all_requests(num_prompts: int, n_samples: int) -> list[tuple[int, int]]:
+    return [(p, s) for p in range(num_prompts) for s in range(n_samples)]
+
+
+class RolloutEngine:
+    def __init__(self, model: Qwen3, router: Router, tp: TPGroup = TPGroup(), *, max_batch: int = 8,
+                 page_policy: str = "fragmented"):
+        if max_batch < 1:
+            raise ValueError(f"max_batch={max_batch} must be at least 1")
+        self.model, self.router, self.tp = model, router, tp
+        self.max_batch, self.page_policy = max_batch, page_policy
+        self.scale = model.config.head_dim ** -0.5
+
+    # -- generation ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n_samples: int, max_new_tokens: int,
+                 seeds: int | Sequence[int], *,
+                 requests: Sequence[tuple[int, int]] | None = None) -> list[Sample]:
+        """Samples of the requested (prompt index, sample index) pairs (default: every sample of
+        every prompt), in request order. `seeds` is one base seed, or one per prompt."""
+        if max_new_tokens < 1 or n_samples < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} and n_samples={n_samples} "
+                             "must be at least 1")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        base = [seeds] * len(prompts) if isinstance(seeds, int) else list(seeds)
+        if len(base) != len(prompts):
+            raise ValueError(f"{len(base)} seeds for {len(prompts)} prompts")
+        requests = list(all_requests(len(prompts), n_samples) if requests is None else requests)
+        if len(set(requests)) != len(requests) or any(
+                not (0 <= p < len(prompts) and 0 <= s < n_samples) for p, s in requests):
+            raise ValueError("requests must be distinct (prompt index, sample index) pairs "
+                             "within the prompts and n_samples")
+        longest = max(len(prompts[p]) for p, _ in requests) + max_new_tokens if requests else 1
+        c = self.model.config
+        # max_batch live sequences of at most `longest` tokens each never run out of pages.
+        cache = PagedKVCache(layers=c.num_hidden_layers,
+                             num_pages=self.max_batch * pages_for(longest),
+                             kv_heads=self.model.hkv, head_dim=c.head_dim, dtype=c.dtype,
+                             policy=self.page_policy, device=self.router.device)
+        pending = collections.deque(
+            _Seq(Sample(prompt_index=p, sample_index=s, prompt=list(prompts[p]), tokens=[],
+                        logprobs=torch.empty(0)),
+                 sampling.sequence_seed(base[p], p, s), SeqSlot(), [])
+            for p, s in requests)
+        live: list[_Seq] = []
+        done: list[_Seq] = []
+        fragmented = 0
+        while pending or live:
+            admitted = []
+            while pending and len(live) + len(admitted) < self.max_batch:
+                admitted.append(pending.popleft())
+            if admitted:
+                self._prefill(cache, admitted, longest - 1)
+                live += admitted
+            if any(len(s.sample.tokens) < max_new_tokens for s in live):
+                self._decode(cache, [s for s in live if len(s.sample.tokens) < max_new_tokens])
+            for s in [s for s in live if len(s.sample.tokens) == max_new_tokens]:
+                fragmented += is_fragmented(s.slot.pages)
+                cache.release(s.slot)
+                live.remove(s)
+                done.append(s)
+        self.router.note("attention", "fragmented_page_tables", fragmented)
+        for s in done:
+            s.sample.logprobs = torch.cat(s.logprobs).float().cpu()
+        by_key = {(s.sample.prompt_index, s.sample.sample_index): s.sample for s in done}
+        return [by_key[r] for r in requests]
+
+    def _prefill(self, cache: PagedKVCache, seqs: list[_Seq], run_tokens: int) -> None:
+        lengths = [len(s.sample.prompt) for s in seqs]
+        for s, n in zip(seqs, lengths):
+            # The contiguous policy reserves one equal run per sequence now (equal runs never
+            # leave a hole too small for the next one); fragmented grows page by page.
+            cache.reserve(s.slot, run_tokens if self.page_policy == "contiguous" else n)
+        backend = PrefillBackend(cache, self.router, [s.slot for s in seqs], lengths, self.scale)
+        dev = self.router.device
+        tokens = torch.tensor([t for s in seqs for t in s.sample.prompt], dtype=torch.long,
+                              device=dev)
+        self.router.note("attention", "prefill_batch", len(seqs))
+        hidden = self.model.hidden(tokens, backend.positions, backend)
+        last = (backend.cu[1:] - 1).long()
+        self._sample(seqs, hidden[last])
+
+    def _decode(self, cache: PagedKVCache, seqs: list[_Seq]) -> None:
+        positions = [len(s.sample.prompt) + len(s.sample.tokens) - 1 for s in seqs]
+        for s, p in zip(seqs, positions):
+            cache.reserve(s.slot, p + 1)
+        backend = DecodeBackend(cache, self.router, [s.slot for s in seqs], positions, self.scale)
+        dev = self.router.device
+        tokens = torch.tensor([s.sample.tokens[-1] for s in seqs], dtype=torch.long, device=dev)
+        hidden = self.model.hidden(tokens, torch.tensor(positions, device=dev), backend)
+        self._sample(seqs, hidden)
+
+    def _sample(self, seqs: list[_Seq], hidden_last: torch.Tensor) -> None:
+        """Draws each sequence's next token, then its log-prob through the plan's logp route."""
+        logits = sampling.full_logits(hidden_last, self.model.lm_head,
+                                      vocab=self.model.config.vocab_size, tp=self.tp)
+        chosen = [sampling.gumbel_max(logits[b], sampling.step_seed(s.seed, len(s.sample.tokens)))
+                  for b, s in enumerate(seqs)]
+        target = torch.tensor(chosen, dtype=torch.long, device=hidden_last.device)
+        logp = self.model.selected_logp(hidden_last, target)
+        for b, (s, t) in enumerate(zip(seqs, chosen)):
+            s.sample.tokens.append(t)
+            s.logprobs.append(logp[b:b + 1])
+
+    # -- weight sync --------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Replaces the weights from a full Hugging Face-named state dict (this rank's shard)."""
+        self.model.load_full(state)
+
+    def weights_checksum(self) -> str:
+        """sha256 of the full (unsharded) weights under their Hugging Face names; equal on every
+        TP rank and equal to state_checksum() of the state dict that was loaded."""
+        return state_checksum(full_state(self.model, self.tp))
+
+
+def state_checksum(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over name, dtype, shape and bytes of each tensor, in sorted name order. A state
+    without lm_head.weight has a tied head, as in Qwen3.load_full."""
+    if "lm_head.weight" not in state:
+        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous().reshape(-1)
+        h.update(f"{name}|{t.dtype}|{tuple(state[name].shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _gather(t: torch.Tensor, tp: TPGroup, dim: int, sizes: list[int] | None = None) -> torch.Tensor:
+    """The TP shards of t concatenated along dim in rank order (sizes: uneven shard lengths)."""
+    if tp.size == 1:
+        return t
+    t = t.movedim(dim, 0).contiguous()
+    width = max(sizes) if sizes else t.shape[0]
+    padded = torch.zeros((width, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    padded[:t.shape[0]] = t
+    parts = [torch.empty_like(padded) for _ in range(tp.size)]
+    dist.all_gather(parts, padded, group=tp.group)
+    parts = [p[:n] for p, n in zip(parts, sizes)] if sizes else parts
+    return torch.cat(parts).movedim(0, dim)
+
+
+def full_state(model: Qwen3, tp: TPGroup) -> dict[str, torch.Tensor]:
+    """The inverse of Qwen3.load_full: the whole model's weights from every rank's shard."""
+    c, d = model.config, model.config.head_dim
+    state = {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.final_norm}
+    for i, layer in enumerate(model.layers):
+        pre = f"model.layers.{i}."
+        q, k, v = layer.qkv.split([model.hq * d, model.hkv * d, model.hkv * d])
+        gate, up = layer.gate_up.split([model.ffn_local, model.ffn_local])
+        state.update({
+            pre + "self_attn.q_proj.weight": _gather(q, tp, 0),
+            pre + "self_attn.k_proj.weight": _gather(k, tp, 0),
+            pre + "self_attn.v_proj.weight": _gather(v, tp, 0),
+            pre + "self_attn.q_norm.weight": layer.q_norm,
+            pre + "self_attn.k_norm.weight": layer.k_norm,
+            pre + "self_attn.o_proj.weight": _gather(layer.o_proj, tp, 1),
+            pre + "input_layernorm.weight": layer.input_norm,
+            pre + "post_attention_layernorm.weight": layer.post_norm,
+            pre + "mlp.gate_proj.weight": _gather(gate, tp, 0),
+            pre + "mlp.up_proj.weight": _gather(up, tp, 0),
+            pre + "mlp.down_proj.weight": _gather(layer.down, tp, 1),
+        })
+    sizes = [stop - start for start, stop, _ in
+             (logp_ops.shard_range(c.vocab_size, r, tp.size) for r in range(tp.size))]
+    state["lm_head.weight"] = _gather(model.lm_head, tp, 0, sizes)
+    return {k: v.detach() for k, v in state.items()}

@@ -1,0 +1,57 @@
+"""Temperature-1 sampling from the full distribution by Gumbel-max, seeded per sequence and step.
+
+Each draw depends only on (base seed, prompt index, sample index, step) and the sequence's own
+logits row, so a sample is the same whichever sequences share its batch, engine or TP group. The
+logits here only choose the token; the reported log-prob comes from the plan's logp route.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from rl_engine.models.tp import TPGroup
+from rl_engine.ops import logp as logp_ops
+
+
+def _mix(*values: int) -> int:
+    digest = hashlib.sha256(struct.pack(f"<{len(values)}q", *values)).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def sequence_seed(base: int, prompt_index: int, sample_index: int) -> int:
+    return _mix(base, prompt_index, sample_index)
+
+
+def step_seed(seq_seed: int, step: int) -> int:
+    return _mix(seq_seed, step)
+
+
+def full_logits(hidden: torch.Tensor, lm_head: torch.Tensor, *, vocab: int,
+                tp: TPGroup) -> torch.Tensor:
+    """fp32 logits [B, vocab] of final hidden rows [B, H]; vocab shards gathered in rank order.
+
+    Rows are multiplied one at a time so a row's logits do not depend on how many rows share the
+    batch (a GEMM picks its blocking by shape)."""
+    local = torch.cat([F.linear(hidden[b:b + 1], lm_head) for b in range(hidden.shape[0])]).float()
+    if tp.size == 1:
+        return local
+    shards = [logp_ops.shard_range(vocab, r, tp.size) for r in range(tp.size)]
+    width = max(stop - start for start, stop, _ in shards)
+    padded = local.new_full((local.shape[0], width), float("-inf"))
+    padded[:, :local.shape[1]] = local
+    parts = [torch.empty_like(padded) for _ in range(tp.size)]
+    dist.all_gather(parts, padded, group=tp.group)
+    return torch.cat([p[:, :stop - start] for p, (start, stop, _) in zip(parts, shards)], dim=1)
+
+
+def gumbel_max(logits: torch.Tensor, seed: int) -> int:
+    """argmax(logits + Gumbel noise): an exact sample of softmax(logits) at temperature 1."""
+    gen = torch.Generator(device=logits.device).manual_seed(seed)
+    u = torch.rand(logits.shape, generator=gen, device=logits.device, dtype=torch.float64)
+    noise = -torch.log(-torch.log(u.clamp_min(torch.finfo(torch.float64).tiny)))
+    return int(torch.argmax(logits.double() + noise))
