@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast demo bench clean
+.PHONY: install test demo bench clean lock
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -13,10 +13,17 @@ $(PY):
 
 # torch first, from the pinned CPU build, so that nothing below pulls a multi-GB CUDA build; the
 # package is then built against it without build isolation.
-$(STAMP): $(PY) pyproject.toml setup.py
+$(STAMP): $(PY) pyproject.toml setup.py requirements.lock
 	$(PIP) install -q torch==2.13.0 setuptools wheel ninja
-	$(PIP) install -q --no-build-isolation -e ".[test,orchestration]"
+	$(PIP) install -q -r requirements.lock
+	$(PIP) install -q --no-build-isolation --no-deps -e .
 	touch $(STAMP)
+
+# Rewrite requirements.lock from the environment (after changing pyproject.toml and installing).
+lock: $(PY)
+	( echo "# Exact versions that CI, the Makefile and the container images install (Python 3.11, CPU torch)."; \
+	  echo "# Regenerate after changing pyproject.toml: make lock"; \
+	  $(PIP) freeze --exclude-editable | sed 's/^torch==\([0-9.]*\)+cpu/torch==\1/' ) > requirements.lock
 
 install: $(STAMP)
 
