@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -61,7 +62,9 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
         out = fn(rank, world, *args)
-        results.put((rank, "ok", out))
+        # Plain pickle bytes: the queue's own pickler would pass tensor storage as a file
+        # descriptor that dies with this process before the parent reads it.
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException as exc:  # noqa: BLE001 - the error travels to the parent
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise SystemExit(3)
@@ -105,7 +108,7 @@ def _launch_local(fn, world: int, *, args: tuple, timeout: float | None) -> list
                 continue
             if status == "error":
                 raise WorkerFailed(f"rank {rank} of {world} failed: {value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
         for p in procs:
             p.join(timeout=30)
     finally:

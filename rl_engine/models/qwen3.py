@@ -66,7 +66,7 @@ class Qwen3(nn.Module):
             q = r.rope("attention", q, positions, c.rope_theta)
             k = r.rope("attention", k, positions, c.rope_theta)
             o = attn.attend(i, q, k, v.reshape(-1, self.hkv, d).contiguous())
-            y = r.linear("attention", o.reshape(o.shape[0], -1), layer.o_proj)
+            y = r.linear("attention", o.reshape(o.shape[0], self.hq * d), layer.o_proj)
             x = x + reduce_from_tp(y, r, "attention", tp)
             h = copy_to_tp(r.rmsnorm("ffn", x, layer.post_norm, c.rms_norm_eps), r, "ffn", tp)
             a = r.swiglu("ffn", r.linear("ffn", h, layer.gate_up))
@@ -74,10 +74,11 @@ class Qwen3(nn.Module):
         return self.router.rmsnorm("logp", x, self.final_norm, c.rms_norm_eps)
 
     def selected_logp(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """fp32 log p(targets[t] | prefix) for each row of hidden (vocab-parallel under TP)."""
-        h = copy_to_tp(hidden, self.router, "logp", self.tp)
-        return selected_logp(self.router, h, self.lm_head, targets, vocab=self.config.vocab_size,
-                             tp=self.tp)
+        """fp32 log p(targets[t] | prefix) for each row of hidden (vocab-parallel under TP). The
+        vocab-parallel backward already sums grad_hidden over TP (in fp32), so no copy_to_tp here:
+        a second sum would double the gradient."""
+        return selected_logp(self.router, hidden, self.lm_head, targets,
+                             vocab=self.config.vocab_size, tp=self.tp)
 
     # -- weights ------------------------------------------------------------------------------
     @torch.no_grad()

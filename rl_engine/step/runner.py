@@ -8,6 +8,7 @@ on both sides). Each worker writes its own readback; the runner writes train-dat
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,15 +43,36 @@ class StepFigures:
                 f"train_current_rollout_logprob_max_abs_diff={self.max_abs_diff}")
 
 
-def _train(plan: Plan, config: StepConfig, inputs: Inputs, state, samples, run: RunDir, run_id: str,
-           step: int, trace: bool):
-    from rl_engine.engines.train.worker import TrainJob, run_training
+@dataclass(frozen=True, slots=True)
+class TrainOutcome:
+    logprobs: list[torch.Tensor]
+    state: dict[str, torch.Tensor]
+    loss: float
+    checksum: str
 
-    job = TrainJob(config=inputs.config, state=state, plan=plan, samples=samples, tp=config.tp,
-                   cp=config.cp, dp=config.dp, max_tokens_per_gpu=config.max_tokens_per_gpu,
-                   seed=config.seed + step, run_dir=run.root, run_id=run_id,
-                   extra={"step": step}, trace_dir=run.trace if trace else None)
-    return run_training(job)
+
+def _train(plan: Plan, config: StepConfig, inputs: Inputs, state, samples, run: RunDir, run_id: str,
+           step: int, trace: bool) -> TrainOutcome:
+    """Recomputes the rollout tokens' log-probs and takes one step on ACTOR_GPUS ranks."""
+    from rl_engine.engines.launch import launch
+    from rl_engine.engines.train.packing import Sample as TrainSample
+    from rl_engine.engines.train.trainer import TrainConfig
+    from rl_engine.step.train_worker import TrainStep, train_step_worker
+
+    job = TrainStep(
+        model_config=inputs.config, state=state, plan=plan,
+        samples=[TrainSample(prompt=tuple(s.prompt), response=tuple(s.tokens),
+                             rollout_logp=s.logprobs, group=s.prompt_index) for s in samples],
+        config=TrainConfig(tp=config.tp, cp=config.cp, dp=config.dp,
+                           max_tokens_per_gpu=config.max_tokens_per_gpu),
+        run_dir=run.root, run_id=run_id, step=step, trace_dir=run.trace if trace else None)
+    results = launch(train_step_worker, config.actor_gpus, args=(job,))
+    sums = {r["checksum"] for r in results}
+    if len(sums) != 1:
+        raise InfrastructureError(f"trainer ranks disagree on the updated weights at step {step}")
+    lead = results[0]
+    return TrainOutcome(logprobs=lead["logps"], state=lead["state"], loss=lead["loss"],
+                        checksum=lead["checksum"])
 
 
 def _write_train_data(run: RunDir, run_id: str, rollout_id: str, step: int, samples,
@@ -117,14 +139,17 @@ def run_steps(*, plan: Plan, config: StepConfig, inputs: Inputs, run: RunDir, ru
         log.info(fig.line())
         figures.append(fig)
         state = result.state
+        if state_checksum(state) != result.checksum:
+            raise InfrastructureError(f"the weights received from the trainer at step {step} do not "
+                                      "match the checksum the trainer computed")
         files.write_json(run.weights / f"step-{step:04d}.json",
-                         {"run_id": run_id, "step": step, "checksum": state_checksum(state),
+                         {"run_id": run_id, "step": step, "checksum": result.checksum,
                           "loss": result.loss})
     return figures
 
 
 def summary(figures: list[StepFigures]) -> dict[str, Any]:
-    return {"steps": [f.__dict__ | {"line": f.line()} for f in figures],
+    return {"steps": [dataclasses.asdict(f) | {"line": f.line()} for f in figures],
             "numel": sum(f.numel for f in figures),
             "mismatch_count": sum(f.mismatch_count for f in figures),
             "max_abs_diff": max((f.max_abs_diff for f in figures), default=0.0)}

@@ -1,0 +1,239 @@
+"""One training step of a TP x CP x DP Megatron-style trainer: recompute the log-probs of the rollout
+tokens, GRPO loss, backward over packed micro-batches, fixed-order gradient reduction, AdamW.
+
+Gradients: each micro-batch's parameter gradients are added to fp32 main grads in micro-batch order;
+q/k-norm gradients (replicated weights applied to this rank's heads) are summed over TP; then one
+all-reduce over CP x DP, in rank order when any training route is R. AdamW runs in fp32 on master
+weights, elementwise, and the bf16 parameters are their rounding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from rl_engine.distributed import collectives
+from rl_engine.engines.train import layout as layout_mod
+from rl_engine.engines.train import loss
+from rl_engine.engines.train.context_parallel import (ContextParallelAttention, GatherRows,
+                                                      PackedAttention, RowExchange, RowOrderedRouter)
+from rl_engine.engines.train.packing import MicroBatch, Sample, pack
+from rl_engine.models.config import Qwen3Config
+from rl_engine.models.qwen3 import Qwen3
+from rl_engine.models.tp import TPGroup
+from rl_engine.ops import logp as logp_ops
+from rl_engine.ops.attention import KV_BLOCK_SIZE
+from rl_engine.runtime.plan import MODULES, Plan
+from rl_engine.runtime.routing import Router
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    max_tokens_per_gpu: int = 8192
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip: float = 0.2
+    adv_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_per_gpu < 1:
+            raise ValueError(f"MAX_TOKENS_PER_GPU={self.max_tokens_per_gpu} must be positive")
+        if self.lr <= 0 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"lr={self.lr} must be positive and betas={self.betas} in [0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepResult:
+    logps: list[torch.Tensor]  # fp32 log-prob of each response token, per sample, in sample order
+    loss: float
+    rewards: list[float]
+    micro_batches: int  # on this rank
+
+
+class Trainer:
+    def __init__(self, model_config: Qwen3Config, state: dict[str, torch.Tensor], plan: Plan,
+                 config: TrainConfig, *, reward_fn: loss.RewardFn = loss.even_token_reward):
+        self.config, self.reward_fn = config, reward_fn
+        self.layout = lay = layout_mod.build(config.tp, config.cp, config.dp)
+        router_cls = RowOrderedRouter if config.cp > 1 else Router
+        self.router = router_cls(plan, side="training", engine="builtin")
+        self.model = Qwen3(model_config, self.router, TPGroup(lay.tp_rank, lay.tp, lay.tp_group))
+        self.model.load_full(state)
+        self.params = dict(self.model.named_parameters())
+        self.master = {n: p.detach().float().clone() for n, p in self.params.items()}
+        self.exp_avg = {n: torch.zeros_like(m) for n, m in self.master.items()}
+        self.exp_avg_sq = {n: torch.zeros_like(m) for n, m in self.master.items()}
+        self.grads: dict[str, torch.Tensor] = {}
+        self.steps = 0
+        self.scale = model_config.head_dim ** -0.5
+        self.fixed = any(self.router.is_r(m) for m in MODULES)
+
+    # -- one step -----------------------------------------------------------------------------
+    def step(self, samples: list[Sample]) -> StepResult:
+        cfg, lay = self.config, self.layout
+        if len(samples) < cfg.dp:
+            raise ValueError(f"{len(samples)} samples cannot be split over DP={cfg.dp} ranks")
+        rewards = [float(self.reward_fn(s)) for s in samples]
+        adv = loss.group_advantages(rewards, [s.group_key for s in samples], cfg.adv_eps)
+        tokens = sum(len(s.response) for s in samples)
+        lo = lay.dp_rank * len(samples) // cfg.dp
+        hi = (lay.dp_rank + 1) * len(samples) // cfg.dp
+        batches = pack([s.length for s in samples[lo:hi]], cp=cfg.cp,
+                       max_tokens=cfg.max_tokens_per_gpu, block=KV_BLOCK_SIZE)
+        main = {n: torch.zeros_like(m) for n, m in self.master.items()}
+        mine: list[torch.Tensor] = []
+        for batch in batches:
+            idx = [lo + i for i in batch]
+            mine += self._micro_batch([samples[i] for i in idx], [adv[i] for i in idx], tokens)
+            for n, p in self.params.items():
+                # The LM head runs on rows gathered over CP, so its gradient is the same on every
+                # CP rank: counted once.
+                if p.grad is not None and not (n == "lm_head" and lay.cp_rank != 0):
+                    main[n] += p.grad.float()
+                p.grad = None
+        self._reduce(main)
+        self._adamw(main)
+        self.grads = main
+        logps = self._gather_dp(mine)
+        terms = loss.token_terms(torch.cat(logps), torch.cat([s.rollout_logp.float() for s in samples]),
+                                 torch.cat([torch.full((len(s.response),), a, dtype=torch.float32)
+                                            for s, a in zip(samples, adv)]), cfg.clip)
+        return StepResult(logps=logps, loss=float(loss.batch_loss(terms, tokens)), rewards=rewards,
+                          micro_batches=len(batches))
+
+    def _micro_batch(self, samples: list[Sample], adv: list[float], global_tokens: int):
+        cfg, lay, model = self.config, self.layout, self.model
+        mb = MicroBatch([s.length for s in samples], cfg.cp, KV_BLOCK_SIZE)
+        tokens_all = torch.cat([s.tokens() for s in samples])
+        # Row t-1 predicts response token t.
+        pred = torch.cat([torch.arange(mb.offsets[b] + len(s.prompt) - 1, mb.offsets[b + 1] - 1)
+                          for b, s in enumerate(samples)])
+        rows = mb.rows(lay.cp_rank)
+        if cfg.cp == 1:
+            hidden = model.hidden(tokens_all, mb.positions(0), PackedAttention(self.router, mb, self.scale))
+            h = hidden[pred]
+        else:
+            owned = [mb.rows(r) for r in range(cfg.cp)]
+            ex = RowExchange(owned, torch.arange(mb.total), lay.cp_rank, lay.cp_group)
+            backend = ContextParallelAttention(self.router, mb, ex, self.scale)
+            with self.router.row_ordered(ex, cfg.cp, model.embed):
+                hidden = model.hidden(tokens_all[rows], mb.positions(lay.cp_rank), backend)
+            pred_set = set(pred.tolist())
+            pred_owned = [torch.tensor([g for g in o.tolist() if g in pred_set], dtype=torch.long)
+                          for o in owned]
+            local = torch.tensor([i for i, g in enumerate(rows.tolist()) if g in pred_set],
+                                 dtype=torch.long)
+            pred_ex = RowExchange(pred_owned, pred, lay.cp_rank, lay.cp_group)
+            h = GatherRows.apply(hidden[local], pred_ex, self.router, "logp", True)
+        logp = model.selected_logp(h, tokens_all[pred + 1])
+        old = torch.cat([s.rollout_logp.float() for s in samples])
+        adv_tok = torch.cat([torch.full((len(s.response),), a, dtype=torch.float32)
+                             for s, a in zip(samples, adv)])
+        terms = loss.token_terms(logp, old, adv_tok, cfg.clip)
+        loss.batch_loss(terms, global_tokens).backward()
+        return list(logp.detach().split([len(s.response) for s in samples]))
+
+    # -- gradients and optimizer --------------------------------------------------------------
+    def _reduce(self, main: dict[str, torch.Tensor]) -> None:
+        lay = self.layout
+        if lay.tp > 1:
+            for n in main:
+                if n.endswith(("q_norm", "k_norm")):
+                    main[n] = self.router.collective("attention", "all_reduce", main[n], lay.tp_group)
+        names = list(main)
+        flat = torch.cat([main[n].flatten() for n in names])
+        flat = collectives.all_reduce(flat, lay.grad_group, fixed=self.fixed)
+        for n, part in zip(names, flat.split([main[n].numel() for n in names])):
+            main[n] = part.view_as(main[n])
+
+    @torch.no_grad()
+    def _adamw(self, main: dict[str, torch.Tensor]) -> None:
+        """Decoupled-weight-decay Adam, one elementwise op at a time in fp32 (no fused kernels,
+        so every element's bits depend only on its own values)."""
+        cfg = self.config
+        self.steps += 1
+        b1, b2 = cfg.betas
+        bc1, bc2 = 1.0 - b1 ** self.steps, 1.0 - b2 ** self.steps
+        for n, p in self.params.items():
+            g, m, v, w = main[n], self.exp_avg[n], self.exp_avg_sq[n], self.master[n]
+            m.mul_(b1).add_(g * (1.0 - b1))
+            v.mul_(b2).add_((g * g) * (1.0 - b2))
+            if cfg.weight_decay:
+                w.mul_(1.0 - cfg.lr * cfg.weight_decay)
+            update = (m / bc1) / ((v / bc2).sqrt() + cfg.eps)
+            w.sub_(update * cfg.lr)
+            p.copy_(w.to(p.dtype))
+
+    def _gather_dp(self, mine: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.layout.dp == 1:
+            return mine
+        parts: list = [None] * self.layout.dp
+        dist.all_gather_object(parts, mine, group=self.layout.dp_group)
+        return [t for part in parts for t in part]
+
+    # -- weights ------------------------------------------------------------------------------
+    def full_state_dict(self, which: str = "weights") -> dict[str, torch.Tensor]:
+        """Hugging Face-named full tensors, TP shards gathered: the bf16 weights (for the rollout's
+        weight sync), the fp32 master weights, or the last step's reduced fp32 gradients."""
+        source = {"weights": {n: p.detach() for n, p in self.params.items()},
+                  "master": self.master, "grads": self.grads}[which]
+        return full_state_dict(self.model, source)
+
+    def checksum(self, which: str = "weights") -> str:
+        return checksum(self.full_state_dict(which))
+
+
+def _gather_tp(x: torch.Tensor, tp: TPGroup, dim: int = 0) -> torch.Tensor:
+    """TP shards concatenated along dim in rank order."""
+    if tp.size == 1:
+        return x
+    return collectives.all_gather(x.transpose(0, dim).contiguous(), tp.group).transpose(0, dim)
+
+
+def full_state_dict(model: Qwen3, source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The names of Qwen3.load_full, from per-rank tensors keyed like model.named_parameters()."""
+    c, tp, d = model.config, model.tp, model.config.head_dim
+    out = {"model.embed_tokens.weight": source["embed"], "model.norm.weight": source["final_norm"]}
+    for i in range(c.num_hidden_layers):
+        pre, s = f"model.layers.{i}.", (lambda n, i=i: source[f"layers.{i}.{n}"])
+        q, k, v = s("qkv").split([model.hq * d, model.hkv * d, model.hkv * d])
+        gate, up = s("gate_up").split([model.ffn_local, model.ffn_local])
+        out.update({
+            pre + "self_attn.q_proj.weight": _gather_tp(q, tp),
+            pre + "self_attn.k_proj.weight": _gather_tp(k, tp),
+            pre + "self_attn.v_proj.weight": _gather_tp(v, tp),
+            pre + "self_attn.o_proj.weight": _gather_tp(s("o_proj"), tp, 1),
+            pre + "self_attn.q_norm.weight": s("q_norm"),
+            pre + "self_attn.k_norm.weight": s("k_norm"),
+            pre + "input_layernorm.weight": s("input_norm"),
+            pre + "post_attention_layernorm.weight": s("post_norm"),
+            pre + "mlp.gate_proj.weight": _gather_tp(gate, tp),
+            pre + "mlp.up_proj.weight": _gather_tp(up, tp),
+            pre + "mlp.down_proj.weight": _gather_tp(s("down"), tp, 1),
+        })
+    # Vocab shards may differ in size (the last one is cut at the vocab end): pad, gather, cut.
+    head = source["lm_head"]
+    ranges = [logp_ops.shard_range(c.vocab_size, r, tp.size) for r in range(tp.size)]
+    width = max(stop - start for start, stop, _ in ranges)
+    padded = torch.cat([head, head.new_zeros((width - head.shape[0], head.shape[1]))])
+    parts = _gather_tp(padded, tp).split(width)
+    out["lm_head.weight"] = torch.cat([p[:stop - start] for p, (start, stop, _) in zip(parts, ranges)])
+    return out
+
+
+def checksum(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over names, dtypes, shapes and raw bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
