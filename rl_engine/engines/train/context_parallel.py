@@ -37,7 +37,8 @@ class RowExchange:
     def __init__(self, owned: list[torch.Tensor], order: torch.Tensor, rank: int, group):
         self.rank, self.group = rank, group
         self.width = max(1, max(int(o.numel()) for o in owned))
-        slot = {g: r * self.width + i for r, ids in enumerate(owned) for i, g in enumerate(ids.tolist())}
+        slot = {g: r * self.width + i
+                for r, ids in enumerate(owned) for i, g in enumerate(ids.tolist())}
         place = {g: i for i, g in enumerate(order.tolist())}
         self.index = torch.tensor([slot[g] for g in order.tolist()], dtype=torch.long)
         self.mine = torch.tensor([place[g] for g in owned[rank].tolist()], dtype=torch.long)
@@ -73,7 +74,8 @@ class PackedAttention:
         router.note("attention", "cp_query_rows", int(self.positions.numel()))
 
     def attend(self, layer, q, k, v):
-        return self.router.attention("attention", q, k, v, self.cu, self.cu, self.positions, self.scale)
+        return self.router.attention("attention", q, k, v, self.cu, self.cu, self.positions,
+                                     self.scale)
 
 
 class ContextParallelAttention:
@@ -135,7 +137,8 @@ class _RContextParallelAttention(torch.autograd.Function):
         r, ex = cpa.router, cpa.exchange
         k_all, v_all = ex.gather(k, r, "attention"), ex.gather(v, r, "attention")
         with r.kernels("attention"):
-            out, lse = attn_ops.det_attention(q, k_all, v_all, cpa.cu_q, cpa.cu_k, cpa.q_pos, cpa.scale)
+            out, lse = attn_ops.det_attention(q, k_all, v_all, cpa.cu_q, cpa.cu_k, cpa.q_pos,
+                                              cpa.scale)
         ctx.save_for_backward(q, k_all, v_all, out, lse)
         ctx.cpa, ctx.kv_dtype = cpa, k.dtype
         return out
@@ -185,7 +188,8 @@ class _WeightTap(torch.autograd.Function):
         grad_w = None
         if ex.rank == owner:
             w = weight.detach().requires_grad_()
-            with torch.enable_grad(), (router.kernels(module) if kernels else contextlib.nullcontext()):
+            launches = router.kernels(module) if kernels else contextlib.nullcontext()
+            with torch.enable_grad(), launches:
                 (grad_w,) = torch.autograd.grad(fn(*full, w), w, dy_full)
         return dy, grad_w, None, None, None, None, None, None, None
 
@@ -218,15 +222,16 @@ class RowOrderedRouter(Router):
     @contextlib.contextmanager
     def row_ordered(self, exchange: RowExchange, cp: int, embedding: torch.Tensor):
         self.exchange, self._taps, self._cp = exchange, 0, cp
-        mode = _EmbeddingTap(self, embedding) if self.is_r("attention") else contextlib.nullcontext()
+        tapped = self.is_r("attention")
+        mode = _EmbeddingTap(self, embedding) if tapped else contextlib.nullcontext()
         try:
             with mode:
                 yield
         finally:
             self.exchange = None
-        if self.is_r("attention") and mode.hits != 1:
-            raise RuntimeError(f"the model looked up its embedding {mode.hits} times in one forward; "
-                               "the row-ordered embedding gradient expects exactly one")
+        if tapped and mode.hits != 1:
+            raise RuntimeError(f"the model looked up its embedding {mode.hits} times in one "
+                               "forward; the row-ordered embedding gradient expects exactly one")
 
     def tap(self, module, y, weight, inputs, fn, *, kernels=True):
         owner = self._taps % self._cp
@@ -239,7 +244,8 @@ class RowOrderedRouter(Router):
     def linear(self, module, x, w, bias=None):
         if bias is not None or not self._tapping(module, w):
             return super().linear(module, x, w, bias)
-        return self.tap(module, super().linear(module, x, w.detach()), w, (x,), linear_ops.det_linear)
+        y = super().linear(module, x, w.detach())
+        return self.tap(module, y, w, (x,), linear_ops.det_linear)
 
     def rmsnorm(self, module, x, w, eps):
         if not self._tapping(module, w):

@@ -21,7 +21,8 @@ def even_token_reward(sample) -> float:
     return sum(1 for t in sample.response if t % 2 == 0) / len(sample.response)
 
 
-def group_advantages(rewards: Sequence[float], groups: Sequence[Any], eps: float = 1e-6) -> list[float]:
+def group_advantages(rewards: Sequence[float], groups: Sequence[Any],
+                     eps: float = 1e-6) -> list[float]:
     """(r - mean) / (std + eps) over the samples of each group, mean and unbiased std summed in
     sample order; a group of one sample has advantage 0."""
     members: dict[Any, list[int]] = {}

@@ -31,8 +31,8 @@ class Sample:
             raise ValueError(f"a sample needs a prompt and a response, got {len(self.prompt)} "
                              f"prompt and {len(self.response)} response tokens")
         if tuple(self.rollout_logp.shape) != (len(self.response),):
-            raise ValueError(f"rollout_logp has shape {tuple(self.rollout_logp.shape)}; it needs one "
-                             f"log-prob per response token ({len(self.response)})")
+            raise ValueError(f"rollout_logp has shape {tuple(self.rollout_logp.shape)}; it needs "
+                             f"one log-prob per response token ({len(self.response)})")
 
     @property
     def length(self) -> int:

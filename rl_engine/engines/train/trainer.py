@@ -1,5 +1,6 @@
-"""One training step of a TP x CP x DP Megatron-style trainer: recompute the log-probs of the rollout
-tokens, GRPO loss, backward over packed micro-batches, fixed-order gradient reduction, AdamW.
+"""One training step of a TP x CP x DP Megatron-style trainer: recompute the log-probs of the
+rollout tokens, GRPO loss, backward over packed micro-batches, fixed-order gradient reduction,
+AdamW.
 
 Gradients: each micro-batch's parameter gradients are added to fp32 main grads in micro-batch order;
 q/k-norm gradients (replicated weights applied to this rank's heads) are summed over TP; then one
@@ -19,7 +20,8 @@ from rl_engine.distributed import collectives
 from rl_engine.engines.train import layout as layout_mod
 from rl_engine.engines.train import loss
 from rl_engine.engines.train.context_parallel import (ContextParallelAttention, GatherRows,
-                                                      PackedAttention, RowExchange, RowOrderedRouter)
+                                                      PackedAttention, RowExchange,
+                                                      RowOrderedRouter)
 from rl_engine.engines.train.packing import MicroBatch, Sample, pack
 from rl_engine.models.config import Qwen3Config
 from rl_engine.models.qwen3 import Qwen3
@@ -59,6 +61,9 @@ class StepResult:
 
 
 class Trainer:
+    """This rank's shard of the model, its fp32 master weights and AdamW state. Every rank of the
+    layout calls step() with the same samples; DP ranks take contiguous slices of them."""
+
     def __init__(self, model_config: Qwen3Config, state: dict[str, torch.Tensor], plan: Plan,
                  config: TrainConfig, *, reward_fn: loss.RewardFn = loss.even_token_reward):
         self.config, self.reward_fn = config, reward_fn
@@ -78,6 +83,8 @@ class Trainer:
 
     # -- one step -----------------------------------------------------------------------------
     def step(self, samples: list[Sample]) -> StepResult:
+        """Recomputes every sample's log-probs, takes one optimizer step, and returns the
+        log-probs of all samples (gathered over DP) and the global batch's loss."""
         cfg, lay = self.config, self.layout
         if len(samples) < cfg.dp:
             raise ValueError(f"{len(samples)} samples cannot be split over DP={cfg.dp} ranks")
@@ -103,9 +110,8 @@ class Trainer:
         self._adamw(main)
         self.grads = main
         logps = self._gather_dp(mine)
-        terms = loss.token_terms(torch.cat(logps), torch.cat([s.rollout_logp.float() for s in samples]),
-                                 torch.cat([torch.full((len(s.response),), a, dtype=torch.float32)
-                                            for s, a in zip(samples, adv)]), cfg.clip)
+        terms = loss.token_terms(torch.cat(logps), _rollout_logps(samples),
+                                 _token_advantages(samples, adv), cfg.clip)
         return StepResult(logps=logps, loss=float(loss.batch_loss(terms, tokens)), rewards=rewards,
                           micro_batches=len(batches))
 
@@ -118,7 +124,8 @@ class Trainer:
                           for b, s in enumerate(samples)])
         rows = mb.rows(lay.cp_rank)
         if cfg.cp == 1:
-            hidden = model.hidden(tokens_all, mb.positions(0), PackedAttention(self.router, mb, self.scale))
+            backend = PackedAttention(self.router, mb, self.scale)
+            hidden = model.hidden(tokens_all, mb.positions(0), backend)
             h = hidden[pred]
         else:
             owned = [mb.rows(r) for r in range(cfg.cp)]
@@ -134,10 +141,8 @@ class Trainer:
             pred_ex = RowExchange(pred_owned, pred, lay.cp_rank, lay.cp_group)
             h = GatherRows.apply(hidden[local], pred_ex, self.router, "logp", True)
         logp = model.selected_logp(h, tokens_all[pred + 1])
-        old = torch.cat([s.rollout_logp.float() for s in samples])
-        adv_tok = torch.cat([torch.full((len(s.response),), a, dtype=torch.float32)
-                             for s, a in zip(samples, adv)])
-        terms = loss.token_terms(logp, old, adv_tok, cfg.clip)
+        terms = loss.token_terms(logp, _rollout_logps(samples), _token_advantages(samples, adv),
+                                 cfg.clip)
         loss.batch_loss(terms, global_tokens).backward()
         return list(logp.detach().split([len(s.response) for s in samples]))
 
@@ -147,7 +152,8 @@ class Trainer:
         if lay.tp > 1:
             for n in main:
                 if n.endswith(("q_norm", "k_norm")):
-                    main[n] = self.router.collective("attention", "all_reduce", main[n], lay.tp_group)
+                    main[n] = self.router.collective("attention", "all_reduce", main[n],
+                                                     lay.tp_group)
         names = list(main)
         flat = torch.cat([main[n].flatten() for n in names])
         flat = collectives.all_reduce(flat, lay.grad_group, fixed=self.fixed)
@@ -191,6 +197,15 @@ class Trainer:
         return checksum(self.full_state_dict(which))
 
 
+def _rollout_logps(samples: list[Sample]) -> torch.Tensor:
+    return torch.cat([s.rollout_logp.float() for s in samples])
+
+
+def _token_advantages(samples: list[Sample], adv: list[float]) -> torch.Tensor:
+    return torch.cat([torch.full((len(s.response),), a, dtype=torch.float32)
+                      for s, a in zip(samples, adv)])
+
+
 def _gather_tp(x: torch.Tensor, tp: TPGroup, dim: int = 0) -> torch.Tensor:
     """TP shards concatenated along dim in rank order."""
     if tp.size == 1:
@@ -225,7 +240,8 @@ def full_state_dict(model: Qwen3, source: dict[str, torch.Tensor]) -> dict[str, 
     width = max(stop - start for start, stop, _ in ranges)
     padded = torch.cat([head, head.new_zeros((width - head.shape[0], head.shape[1]))])
     parts = _gather_tp(padded, tp).split(width)
-    out["lm_head.weight"] = torch.cat([p[:stop - start] for p, (start, stop, _) in zip(parts, ranges)])
+    out["lm_head.weight"] = torch.cat([p[:stop - start]
+                                       for p, (start, stop, _) in zip(parts, ranges)])
     return out
 
 
