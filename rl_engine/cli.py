@@ -133,6 +133,12 @@ def manifest_verify(file: Path = typer.Argument(..., help="manifest.json or a sh
 
 def _mount_optional() -> None:
     """Sub-commands that live next to their code."""
+    from rl_engine.matrix.cli import app as matrix_app
+    from rl_engine.trace.cli import app as trace_app
+
+    app.add_typer(matrix_app, name="matrix")
+    app.add_typer(trace_app, name="trace")
+
     from rl_engine.models.cli import app as model_app
 
     app.add_typer(model_app, name="model", help="Generate or inspect Qwen3 checkpoints.")

@@ -59,10 +59,16 @@ class RunDir:
         files.write_text(self.exit_code, f"{code}\n")
 
 
-def create(root: Path) -> RunDir:
-    """Creates an empty run directory; a directory that already holds anything is refused."""
+# Files the matrix runner writes into an attempt folder before `rlk run` starts in it, so that a
+# run killed at once still says what it was; a folder holding only these has never held a run.
+MATRIX_FILES: tuple[str, ...] = ("matrix-case.env", "console.log")
+
+
+def create(root: Path, *, allow: tuple[str, ...] = MATRIX_FILES) -> RunDir:
+    """Creates an empty run directory; a directory that already holds anything but the files in
+    `allow` is refused."""
     root = Path(root)
-    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+    if root.exists() and (not root.is_dir() or any(p.name not in allow for p in root.iterdir())):
         raise BadInput(f"artifact directory {root} already holds a run; run directories are never "
                        "reused: give a new RL_KERNEL_ARTIFACT_DIR or RL_KERNEL_RUN_ID")
     for sub in ("readbacks", "train-data"):

@@ -1,0 +1,1 @@
+"""The trace gate: kernel launches counted by family from profiler traces, checked against a plan."""

@@ -1,0 +1,89 @@
+"""Kernel families: the one place that maps a traced event name to the family it belongs to.
+
+CUDA kernel symbols carry their family as `rlk_<family>_...`; on the CPU the profiler records each
+extension op as a `rl_engine::<op>` event. Reference collectives (NCCL kernels, gloo / c10d op
+events) are the production payload paths that an all-R plan must not use on CUDA.
+"""
+
+from __future__ import annotations
+
+import re
+
+FAMILIES: tuple[str, ...] = (
+    "det_gemm", "rmsnorm", "rope", "swiglu", "attention_fwd", "attention_bwd", "attention_decode",
+    "linear_logp", "ipc_all_gather", "ipc_reduce_scatter", "ipc_all_reduce",
+)
+COLLECTIVE_FAMILIES: tuple[str, ...] = ("ipc_all_gather", "ipc_reduce_scatter", "ipc_all_reduce")
+# The CPU's fixed-order reductions sum gathered payloads with this op; it has no CUDA symbol.
+CPU_ONLY_FAMILIES: tuple[str, ...] = ("rank_order_sum",)
+
+# A CUDA kernel belongs to a family when its (demangled or short) name contains the pattern.
+# Longest first, so that no family's pattern can claim a kernel of a family it prefixes.
+CUDA_PATTERNS: tuple[tuple[str, str], ...] = tuple(sorted(
+    ((f"rlk_{family}_", family) for family in FAMILIES), key=lambda p: -len(p[0])))
+
+# Every op of csrc/schema.cpp that does work, by the family its launches count toward.
+CPU_OPS: dict[str, str] = {
+    "rl_engine::det_gemm": "det_gemm",
+    "rl_engine::det_gemm_grad_input": "det_gemm",
+    "rl_engine::det_gemm_grad_weight": "det_gemm",
+    "rl_engine::rmsnorm": "rmsnorm",
+    "rl_engine::rmsnorm_backward": "rmsnorm",
+    "rl_engine::rope": "rope",
+    "rl_engine::rope_backward": "rope",
+    "rl_engine::swiglu": "swiglu",
+    "rl_engine::swiglu_backward": "swiglu",
+    "rl_engine::attention_fwd": "attention_fwd",
+    "rl_engine::attention_bwd": "attention_bwd",
+    "rl_engine::attention_decode": "attention_decode",
+    "rl_engine::linear_logp_partial": "linear_logp",
+    "rl_engine::logp_combine": "linear_logp",
+    "rl_engine::linear_logp_backward": "linear_logp",
+    "rl_engine::rank_order_sum": "rank_order_sum",
+}
+
+# Production collective payloads: NCCL kernels on CUDA (ncclKernel_*, ncclDevKernel_*), and the
+# process-group op events of gloo / NCCL / c10d in a CPU trace.
+REFERENCE_CUDA = re.compile(r"nccl", re.IGNORECASE)
+REFERENCE_CPU = re.compile(r"^(gloo:|nccl:|c10d::)")
+
+# Families each module's R implementation launches, per device and side. A family outside this
+# table for the module is not evidence of that module's route.
+_CPU_MODULE = {
+    "attention": {"training": ("det_gemm", "rmsnorm", "rope", "attention_fwd", "attention_bwd"),
+                  "rollout": ("det_gemm", "rmsnorm", "rope", "attention_fwd", "attention_decode")},
+    "ffn": {"training": ("det_gemm", "rmsnorm", "swiglu"),
+            "rollout": ("det_gemm", "rmsnorm", "swiglu")},
+    "logp": {"training": ("rmsnorm", "linear_logp"), "rollout": ("rmsnorm", "linear_logp")},
+}
+# The CUDA gate asks only for the families whose kernels carry an `rlk_` symbol on sm90.
+_CUDA_MODULE = {
+    "attention": {"training": ("det_gemm", "attention_fwd", "attention_bwd"),
+                  "rollout": ("det_gemm", "attention_fwd", "attention_decode")},
+    "ffn": {"training": ("det_gemm", "swiglu"), "rollout": ("det_gemm", "swiglu")},
+    "logp": {"training": ("linear_logp",), "rollout": ("linear_logp",)},
+}
+
+
+def module_families(module: str, side: str, device: str) -> tuple[str, ...]:
+    table = _CUDA_MODULE if device == "cuda" else _CPU_MODULE
+    return table[module][side]
+
+
+def cuda_family(name: str) -> str | None:
+    """The family of a CUDA kernel name, or None for a kernel that is not rl_engine's."""
+    for pattern, family in CUDA_PATTERNS:
+        if pattern in name:
+            return family
+    return None
+
+
+def cpu_family(name: str) -> str | None:
+    """The family of a CPU op event name, or None for an op that is not rl_engine's."""
+    return CPU_OPS.get(name)
+
+
+def is_reference_collective(name: str, device: str) -> bool:
+    if device == "cuda":
+        return bool(REFERENCE_CUDA.search(name))
+    return bool(REFERENCE_CPU.match(name))
