@@ -1,0 +1,157 @@
+"""RayJobTrigger against a real Ray head: log streaming, one event, PENDING handling, killing."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import shlex
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import requests
+import structlog.testing
+from airflow.sdk import TaskInstanceState
+from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+from rlk_ray.hooks import RayJobHook
+from rlk_ray.triggers import RayJobTrigger, missing_resources, resolve_exit_code
+
+TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+
+
+def python_job(code: str) -> str:
+    return shlex.join(["python", "-c", code])
+
+
+async def collect(trigger: RayJobTrigger) -> list[dict]:
+    return [event.payload async for event in trigger.run()]
+
+
+def test_serialize_returns_every_constructor_argument_and_round_trips():
+    trigger = RayJobTrigger(
+        submission_id="d-r-t--1-try1", address="http://h:1", entrypoint_num_cpus=1,
+        entrypoint_num_gpus=0.5, entrypoint_resources={"worker": 1}, pending_timeout=30,
+        poll_interval=0.5, max_poll_errors=3, log_tail_lines=7,
+    )
+    classpath, kwargs = trigger.serialize()
+    assert set(kwargs) == set(inspect.signature(RayJobTrigger.__init__).parameters) - {"self"}
+    module, _, name = classpath.rpartition(".")
+    again = getattr(importlib.import_module(module), name)(**kwargs)
+    assert type(again) is RayJobTrigger and again.serialize() == (classpath, kwargs)
+    assert kwargs["entrypoint_resources"] == {"worker": 1} and kwargs["pending_timeout"] == 30.0
+
+
+def test_exit_code_prefers_driver_code_then_message_then_log_marker():
+    lines = ["hello", "[rlk] exit-code 2", "trailing noise"]
+    assert resolve_exit_code(3, "failed with exit code 1", lines) == 3
+    message = "Job entrypoint command failed with exit code 1, last available logs:\n..."
+    assert resolve_exit_code(None, message, lines) == 1
+    assert resolve_exit_code(None, "Job was stopped", lines) == 2
+    assert resolve_exit_code(None, None, ["[rlk] exit-code 3x"]) is None
+
+
+def test_missing_resources_is_judged_per_node():
+    nodes = [{"CPU": 2.0}, {"CPU": 8.0, "GPU": 1.0}]
+    assert missing_resources({"CPU": 4.0, "GPU": 1.0}, nodes) is None
+    assert "GPU=2" in missing_resources({"GPU": 2.0}, nodes)
+    # 3 GPUs exist in total, but no node has 2 of them: a driver cannot span nodes.
+    assert "GPU=2" in missing_resources({"GPU": 2.0}, [{"GPU": 1.0}] * 3)
+    split = [{"CPU": 8.0}, {"CPU": 1.0, "GPU": 1.0}]
+    assert "together" in missing_resources({"CPU": 4.0, "GPU": 1.0}, split)
+
+
+def test_streams_log_lines_and_yields_one_succeeded_event(ray_address, monkeypatch):
+    hook = RayJobHook(address=ray_address)
+    code = "import time; print('hello'); time.sleep(1.5); print('world')"
+    sid = hook.submit(python_job(code), "trig-hello")
+    # Every HTTP request Ray's client makes must run off the event loop's thread.
+    request_threads, original = [], requests.Session.request
+
+    def recording(self, *args, **kwargs):
+        request_threads.append(threading.get_ident())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(requests.Session, "request", recording)
+
+    async def run_and_note_loop_thread():
+        trigger = RayJobTrigger(submission_id=sid, address=ray_address, poll_interval=0.3)
+        return threading.get_ident(), await collect(trigger)
+
+    with structlog.testing.capture_logs() as logs:
+        loop_thread, events = asyncio.run(asyncio.wait_for(run_and_note_loop_thread(), 60))
+    assert len(events) == 1
+    event = events[0]
+    assert (event["status"], event["submission_id"], event["exit_code"]) == ("SUCCEEDED", sid, 0)
+    assert event["reason"] is None and event["log_tail"][-2:] == ["hello", "world"]
+    logged = [entry["event"] for entry in logs]
+    assert logged.index("hello") < logged.index("world")
+    # The lines came through the stream, not from re-reading the whole log afterwards.
+    assert not [entry for entry in logs if entry["log_level"] == "warning"]
+    assert request_threads and loop_thread not in request_threads
+
+
+def test_job_asking_for_a_gpu_on_a_gpu_less_cluster_is_stopped(ray_address, wait_status):
+    hook = RayJobHook(address=ray_address)
+    sid = hook.submit("echo never", "trig-gpu", entrypoint_num_gpus=1)
+    trigger = RayJobTrigger(submission_id=sid, address=ray_address, entrypoint_num_gpus=1,
+                            pending_timeout=1.0, poll_interval=0.3)
+    (event,) = asyncio.run(asyncio.wait_for(collect(trigger), 30))
+    assert event["status"] == "STOPPED" and event["exit_code"] is None
+    assert "infeasible" in event["reason"] and "GPU=1" in event["reason"]
+    assert "stop requested" in event["reason"]
+    # Ray keeps a job whose driver never started PENDING after a stop request (the stop is queued
+    # on its supervisor); what matters is that it never ran.
+    assert str(hook.status(sid)) == "PENDING" and hook.logs(sid) == ""
+
+
+def test_queued_job_that_fits_is_left_waiting_past_pending_timeout(ray_address, wait_status):
+    hook = RayJobHook(address=ray_address)
+    blocker = hook.submit("sleep 60", "trig-blocker", entrypoint_num_cpus=2)
+    queued = hook.submit("echo late", "trig-queued", entrypoint_num_cpus=1)
+    try:
+        wait_status(hook, blocker, {"RUNNING"})
+        trigger = RayJobTrigger(submission_id=queued, address=ray_address, entrypoint_num_cpus=1,
+                                pending_timeout=0.5, poll_interval=0.3)
+        with structlog.testing.capture_logs() as logs, pytest.raises(TimeoutError):
+            asyncio.run(asyncio.wait_for(collect(trigger), 4))
+        assert str(hook.status(queued)) == "PENDING"
+        assert any("fits the cluster" in entry["event"] for entry in logs)
+    finally:
+        hook.stop(queued)
+        hook.stop(blocker)
+    wait_status(hook, blocker, TERMINAL)
+
+
+def _as_task(trigger: RayJobTrigger, monkeypatch, state) -> None:
+    """Attach a mapped task instance whose state the (faked) Airflow API reports as ``state``."""
+    trigger.task_instance = SimpleNamespace(dag_id="d", task_id="cell", run_id="r1", map_index=4)
+
+    def get_task_states(dag_id, task_ids, run_ids, map_index, **_):
+        assert (dag_id, task_ids, run_ids, map_index) == ("d", ["cell"], ["r1"], 4)
+        return {"r1": {"cell_4": state}}
+
+    monkeypatch.setattr(RuntimeTaskInstance, "get_task_states", staticmethod(get_task_states))
+
+
+def test_cancel_leaves_job_running_and_on_kill_stops_it_only_once_task_left_deferred(
+    ray_address, wait_status, monkeypatch
+):
+    hook = RayJobHook(address=ray_address)
+    sid = hook.submit("sleep 60", "trig-kill")
+    wait_status(hook, sid, {"RUNNING"})
+    trigger = RayJobTrigger(submission_id=sid, address=ray_address, poll_interval=0.3)
+    # A triggerer restart cancels run(): the job must survive it.
+    with pytest.raises(TimeoutError):
+        asyncio.run(asyncio.wait_for(collect(trigger), 2))
+    asyncio.run(trigger.cleanup())
+    _as_task(trigger, monkeypatch, TaskInstanceState.DEFERRED)
+    asyncio.run(trigger.on_kill())
+    # Give a stop request, had there been one, time to land before checking.
+    time.sleep(1.0)
+    assert str(hook.status(sid)) == "RUNNING"
+    _as_task(trigger, monkeypatch, "failed")
+    asyncio.run(trigger.on_kill())
+    assert wait_status(hook, sid, TERMINAL, timeout=30) == "STOPPED"
