@@ -122,7 +122,7 @@ def run_steps(*, plan: Plan, config: StepConfig, inputs: Inputs, run: RunDir, ru
                          n_samples=config.n_samples_per_prompt, max_new_tokens=config.max_response_len,
                          seed=config.seed + 1000 * step, engines=config.engines,
                          tp=config.rollout_gpus_per_engine, run_dir=run.root, run_id=run_id,
-                         extra={"step": step})
+                         trace_dir=run.trace if trace else None, extra={"step": step})
         samples, results = run_rollout(job)
         want = state_checksum(state)
         synced = {r["weights_checksum"] for r in results}

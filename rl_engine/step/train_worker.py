@@ -7,7 +7,6 @@ sync payload) and their checksum.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import torch
 from rl_engine.engines.train.packing import Sample
 from rl_engine.engines.train.trainer import TrainConfig, Trainer
 from rl_engine.models.config import Qwen3Config
-from rl_engine.runtime import readback
+from rl_engine.runtime import readback, trace_record
 from rl_engine.runtime.plan import Plan
 
 
@@ -34,17 +33,9 @@ class TrainStep:
     trace_dir: Path | None = None
 
 
-def _profile(trace_dir: Path | None, name: str):
-    if trace_dir is None:
-        return contextlib.nullcontext()
-    from rl_engine.trace.record import record
-
-    return record(trace_dir, name=name)
-
-
 def train_step_worker(rank: int, world: int, job: TrainStep) -> dict[str, Any]:
     trainer = Trainer(job.model_config, job.state, job.plan, job.config)
-    with _profile(job.trace_dir, f"training-rank{rank}"):
+    with trace_record.record(job.trace_dir, name=f"training-rank{rank}"):
         result = trainer.step(job.samples)
     lay = trainer.layout
     readback.write(job.run_dir, trainer.router, run_id=job.run_id, rank=rank,

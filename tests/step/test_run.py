@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 def test_control_is_bitwise_over_two_steps_with_weight_sync(rlk, tmp_path):
     run_dir = tmp_path / "control"
     proc = rlk("run", "--workload", "ci", "--steps", "2", "--artifact-dir", str(run_dir),
-               "--run-id", "ctl-1", env={"CI_TEST": "1"})
+               "--run-id", "ctl-1", "--trace", env={"CI_TEST": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     for step in (0, 1):
         assert (f"step {step}: train_current_rollout_logprob_numel=64 "
@@ -40,6 +40,13 @@ def test_control_is_bitwise_over_two_steps_with_weight_sync(rlk, tmp_path):
         (run_dir / "run.log").read_text()
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["layout"]["tp"] == 2 and manifest["inputs"]["checkpoint"]
+    # The trace of every rank shows our kernels; the gate passes the control and fails the baseline.
+    traces = sorted(p.name.split("-")[0] for p in (run_dir / "trace").glob("*.json"))
+    assert traces == ["rollout"] * 4 + ["training"] * 4  # 2 ranks x 2 steps per side
+    gate = rlk("trace", "gate", "--trace", str(run_dir / "trace"), "--plan", "control",
+               "--world-size", "2", "--output", str(tmp_path / "tg.json"))
+    assert gate.returncode == 0, gate.stderr[-2000:]
+    assert rlk("trace", "gate", "--trace", str(run_dir / "trace"), "--plan", "baseline").returncode == 1
 
 
 def test_baseline_reports_its_mismatch_and_fails_only_when_bitwise_is_required(rlk, tmp_path):

@@ -15,7 +15,7 @@ import torch
 from rl_engine.cli import main
 from rl_engine.ops import _lib, attention, linear, logp, norm, rope, swiglu
 from rl_engine.trace import families, gate
-from rl_engine.trace.record import record
+from rl_engine.runtime.trace_record import record
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 import nsys_export  # noqa: E402
@@ -59,7 +59,7 @@ def step(*, r_swiglu: bool = True, r_ops: bool = True, collective: bool = True) 
 
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory) -> dict[str, Path]:
-    """Real CPU profiler traces, written by rl_engine.trace.record."""
+    """Real CPU profiler traces, written by rl_engine.runtime.trace_record."""
     root = tmp_path_factory.mktemp("traces")
     out = {}
     for name, kwargs in {"all_r": {}, "no_swiglu": dict(r_swiglu=False),

@@ -20,7 +20,7 @@ from rl_engine.engines.rollout.kv_cache import POLICIES
 from rl_engine.models.config import Qwen3Config
 from rl_engine.models.qwen3 import Qwen3
 from rl_engine.models.tp import TPGroup
-from rl_engine.runtime import readback
+from rl_engine.runtime import readback, trace_record
 from rl_engine.runtime.plan import Plan
 from rl_engine.runtime.routing import Router
 
@@ -40,6 +40,7 @@ class RolloutJob:
     page_policy: str = "fragmented"
     run_dir: Path | None = None      # where readbacks go (with run_id); None writes none
     run_id: str | None = None
+    trace_dir: Path | None = None    # record a torch.profiler trace of each rank there
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -82,8 +83,9 @@ def rollout_worker(rank: int, world: int, job: RolloutJob) -> dict[str, Any]:
     engine = RolloutEngine(model, router, tp, max_batch=job.max_batch, page_policy=job.page_policy)
     engine.load_weights(job.state)
     requests = engine_requests(len(job.prompts), job.n_samples, engine_index, job.engines)
-    samples = engine.generate(job.prompts, job.n_samples, job.max_new_tokens, job.seed,
-                              requests=requests)
+    with trace_record.record(job.trace_dir, name=f"rollout-rank{rank}"):
+        samples = engine.generate(job.prompts, job.n_samples, job.max_new_tokens, job.seed,
+                                  requests=requests)
     if job.run_dir is not None:
         readback.write(job.run_dir, router, run_id=job.run_id, rank=rank,
                        extra={"engine_index": engine_index, "tp_rank": tp.rank, "tp_size": tp.size,
