@@ -84,25 +84,24 @@ class Qwen3(nn.Module):
     @torch.no_grad()
     def load_full(self, state: dict[str, torch.Tensor]) -> None:
         """Loads this rank's shard from Hugging Face Qwen3 names (model.layers.N.self_attn...)."""
-        c, tp, d = self.config, self.tp, self.config.head_dim
-        rows = lambda t, n: t.chunk(tp.size, dim=0)[tp.rank] if n else t  # noqa: E731
+        tp = self.tp
+        rows = lambda t: t.chunk(tp.size, dim=0)[tp.rank]  # noqa: E731  (column-parallel rows)
         self.embed.copy_(state["model.embed_tokens.weight"])
         for i, layer in enumerate(self.layers):
             pre = f"model.layers.{i}."
-            q = rows(state[pre + "self_attn.q_proj.weight"], True)
-            k = rows(state[pre + "self_attn.k_proj.weight"], True)
-            v = rows(state[pre + "self_attn.v_proj.weight"], True)
+            q = rows(state[pre + "self_attn.q_proj.weight"])
+            k = rows(state[pre + "self_attn.k_proj.weight"])
+            v = rows(state[pre + "self_attn.v_proj.weight"])
             layer.qkv.copy_(torch.cat([q, k, v]))
             layer.q_norm.copy_(state[pre + "self_attn.q_norm.weight"])
             layer.k_norm.copy_(state[pre + "self_attn.k_norm.weight"])
             layer.o_proj.copy_(state[pre + "self_attn.o_proj.weight"].chunk(tp.size, dim=1)[tp.rank])
             layer.input_norm.copy_(state[pre + "input_layernorm.weight"])
             layer.post_norm.copy_(state[pre + "post_attention_layernorm.weight"])
-            gate = rows(state[pre + "mlp.gate_proj.weight"], True)
-            up = rows(state[pre + "mlp.up_proj.weight"], True)
+            gate = rows(state[pre + "mlp.gate_proj.weight"])
+            up = rows(state[pre + "mlp.up_proj.weight"])
             layer.gate_up.copy_(torch.cat([gate, up]))
             layer.down.copy_(state[pre + "mlp.down_proj.weight"].chunk(tp.size, dim=1)[tp.rank])
         self.final_norm.copy_(state["model.norm.weight"])
         head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
         self.lm_head.copy_(head[self.vocab_start:self.vocab_stop])
-        del d

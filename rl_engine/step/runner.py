@@ -11,14 +11,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from rl_engine.artifacts import files, manifest
 from rl_engine.artifacts.run_dir import RunDir
-from rl_engine.engines.rollout.engine import state_checksum
+from rl_engine.models.unshard import state_checksum
 from rl_engine.engines.rollout.worker import RolloutJob, run_rollout
 from rl_engine.errors import InfrastructureError
 from rl_engine.runtime.plan import Plan

@@ -1,6 +1,7 @@
 """The built-in rollout engine: paged KV cache, continuous batching, TP, several engines."""
 
-from rl_engine.engines.rollout.engine import RolloutEngine, Sample, full_state, state_checksum
+from rl_engine.engines.rollout.engine import RolloutEngine, Sample
+from rl_engine.models.unshard import full_state, state_checksum
 from rl_engine.engines.rollout.worker import RolloutJob, rollout_worker, run_rollout
 
 __all__ = ["RolloutEngine", "RolloutJob", "Sample", "full_state", "rollout_worker", "run_rollout",

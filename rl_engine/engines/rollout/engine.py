@@ -9,19 +9,17 @@ sequences give their pages back and waiting ones take them. Every sample generat
 from __future__ import annotations
 
 import collections
-import hashlib
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 from rl_engine.engines.rollout import sampling
 from rl_engine.engines.rollout.kv_cache import (DecodeBackend, PagedKVCache, PrefillBackend,
                                                 SeqSlot, is_fragmented, pages_for)
 from rl_engine.models.qwen3 import Qwen3
+from rl_engine.models.unshard import full_state, state_checksum
 from rl_engine.models.tp import TPGroup
-from rl_engine.ops import logp as logp_ops
 from rl_engine.runtime.routing import Router
 
 
@@ -166,58 +164,4 @@ class RolloutEngine:
     def weights_checksum(self) -> str:
         """sha256 of the full (unsharded) weights under their Hugging Face names; equal on every
         TP rank and equal to state_checksum() of the state dict that was loaded."""
-        return state_checksum(full_state(self.model, self.tp))
-
-
-def state_checksum(state: dict[str, torch.Tensor]) -> str:
-    """sha256 over name, dtype, shape and bytes of each tensor, in sorted name order. A state
-    without lm_head.weight has a tied head, as in Qwen3.load_full."""
-    if "lm_head.weight" not in state:
-        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
-    h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name].detach().cpu().contiguous().reshape(-1)
-        h.update(f"{name}|{t.dtype}|{tuple(state[name].shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def _gather(t: torch.Tensor, tp: TPGroup, dim: int, sizes: list[int] | None = None) -> torch.Tensor:
-    """The TP shards of t concatenated along dim in rank order (sizes: uneven shard lengths)."""
-    if tp.size == 1:
-        return t
-    t = t.movedim(dim, 0).contiguous()
-    width = max(sizes) if sizes else t.shape[0]
-    padded = torch.zeros((width, *t.shape[1:]), dtype=t.dtype, device=t.device)
-    padded[:t.shape[0]] = t
-    parts = [torch.empty_like(padded) for _ in range(tp.size)]
-    dist.all_gather(parts, padded, group=tp.group)
-    parts = [p[:n] for p, n in zip(parts, sizes)] if sizes else parts
-    return torch.cat(parts).movedim(0, dim)
-
-
-def full_state(model: Qwen3, tp: TPGroup) -> dict[str, torch.Tensor]:
-    """The inverse of Qwen3.load_full: the whole model's weights from every rank's shard."""
-    c, d = model.config, model.config.head_dim
-    state = {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.final_norm}
-    for i, layer in enumerate(model.layers):
-        pre = f"model.layers.{i}."
-        q, k, v = layer.qkv.split([model.hq * d, model.hkv * d, model.hkv * d])
-        gate, up = layer.gate_up.split([model.ffn_local, model.ffn_local])
-        state.update({
-            pre + "self_attn.q_proj.weight": _gather(q, tp, 0),
-            pre + "self_attn.k_proj.weight": _gather(k, tp, 0),
-            pre + "self_attn.v_proj.weight": _gather(v, tp, 0),
-            pre + "self_attn.q_norm.weight": layer.q_norm,
-            pre + "self_attn.k_norm.weight": layer.k_norm,
-            pre + "self_attn.o_proj.weight": _gather(layer.o_proj, tp, 1),
-            pre + "input_layernorm.weight": layer.input_norm,
-            pre + "post_attention_layernorm.weight": layer.post_norm,
-            pre + "mlp.gate_proj.weight": _gather(gate, tp, 0),
-            pre + "mlp.up_proj.weight": _gather(up, tp, 0),
-            pre + "mlp.down_proj.weight": _gather(layer.down, tp, 1),
-        })
-    sizes = [stop - start for start, stop, _ in
-             (logp_ops.shard_range(c.vocab_size, r, tp.size) for r in range(tp.size))]
-    state["lm_head.weight"] = _gather(model.lm_head, tp, 0, sizes)
-    return {k: v.detach() for k, v in state.items()}
+        return state_checksum(full_state(self.model))

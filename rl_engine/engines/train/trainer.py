@@ -10,7 +10,6 @@ weights, elementwise, and the bf16 parameters are their rounding.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +24,8 @@ from rl_engine.engines.train.context_parallel import (ContextParallelAttention, 
 from rl_engine.engines.train.packing import MicroBatch, Sample, pack
 from rl_engine.models.config import Qwen3Config
 from rl_engine.models.qwen3 import Qwen3
+from rl_engine.models.unshard import full_state, state_checksum
 from rl_engine.models.tp import TPGroup
-from rl_engine.ops import logp as logp_ops
 from rl_engine.ops.attention import KV_BLOCK_SIZE
 from rl_engine.runtime.plan import MODULES, Plan
 from rl_engine.runtime.routing import Router
@@ -191,10 +190,10 @@ class Trainer:
         weight sync), the fp32 master weights, or the last step's reduced fp32 gradients."""
         source = {"weights": {n: p.detach() for n, p in self.params.items()},
                   "master": self.master, "grads": self.grads}[which]
-        return full_state_dict(self.model, source)
+        return full_state(self.model, source)
 
     def checksum(self, which: str = "weights") -> str:
-        return checksum(self.full_state_dict(which))
+        return state_checksum(self.full_state_dict(which))
 
 
 def _rollout_logps(samples: list[Sample]) -> torch.Tensor:
@@ -204,52 +203,3 @@ def _rollout_logps(samples: list[Sample]) -> torch.Tensor:
 def _token_advantages(samples: list[Sample], adv: list[float]) -> torch.Tensor:
     return torch.cat([torch.full((len(s.response),), a, dtype=torch.float32)
                       for s, a in zip(samples, adv)])
-
-
-def _gather_tp(x: torch.Tensor, tp: TPGroup, dim: int = 0) -> torch.Tensor:
-    """TP shards concatenated along dim in rank order."""
-    if tp.size == 1:
-        return x
-    return collectives.all_gather(x.transpose(0, dim).contiguous(), tp.group).transpose(0, dim)
-
-
-def full_state_dict(model: Qwen3, source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The names of Qwen3.load_full, from per-rank tensors keyed like model.named_parameters()."""
-    c, tp, d = model.config, model.tp, model.config.head_dim
-    out = {"model.embed_tokens.weight": source["embed"], "model.norm.weight": source["final_norm"]}
-    for i in range(c.num_hidden_layers):
-        pre, s = f"model.layers.{i}.", (lambda n, i=i: source[f"layers.{i}.{n}"])
-        q, k, v = s("qkv").split([model.hq * d, model.hkv * d, model.hkv * d])
-        gate, up = s("gate_up").split([model.ffn_local, model.ffn_local])
-        out.update({
-            pre + "self_attn.q_proj.weight": _gather_tp(q, tp),
-            pre + "self_attn.k_proj.weight": _gather_tp(k, tp),
-            pre + "self_attn.v_proj.weight": _gather_tp(v, tp),
-            pre + "self_attn.o_proj.weight": _gather_tp(s("o_proj"), tp, 1),
-            pre + "self_attn.q_norm.weight": s("q_norm"),
-            pre + "self_attn.k_norm.weight": s("k_norm"),
-            pre + "input_layernorm.weight": s("input_norm"),
-            pre + "post_attention_layernorm.weight": s("post_norm"),
-            pre + "mlp.gate_proj.weight": _gather_tp(gate, tp),
-            pre + "mlp.up_proj.weight": _gather_tp(up, tp),
-            pre + "mlp.down_proj.weight": _gather_tp(s("down"), tp, 1),
-        })
-    # Vocab shards may differ in size (the last one is cut at the vocab end): pad, gather, cut.
-    head = source["lm_head"]
-    ranges = [logp_ops.shard_range(c.vocab_size, r, tp.size) for r in range(tp.size)]
-    width = max(stop - start for start, stop, _ in ranges)
-    padded = torch.cat([head, head.new_zeros((width - head.shape[0], head.shape[1]))])
-    parts = _gather_tp(padded, tp).split(width)
-    out["lm_head.weight"] = torch.cat([p[:stop - start]
-                                       for p, (start, stop, _) in zip(parts, ranges)])
-    return out
-
-
-def checksum(state: dict[str, torch.Tensor]) -> str:
-    """sha256 over names, dtypes, shapes and raw bytes, in name order."""
-    h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name].contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
