@@ -1,0 +1,131 @@
+// CUDA launchers of det_gemm and its two backward products. All three are one batch-invariant
+// GEMM (include/rl_engine/cuda/det_gemm.cuh) on K-major operands: the backward products feed it
+// transposed copies, so every output element is still one fixed-order reduction.
+#include "rl_engine/cuda/det_gemm.cuh"
+
+#include <torch/library.h>
+
+#include <climits>
+
+#include "cuda/glue.cuh"
+#include "kernel_counters.h"
+
+namespace rl_engine::cuda {
+namespace {
+
+template <typename Out>
+void gemm_store(const GemmOperands& g, at::Tensor& out, const float* bias, bool accumulate,
+                const char* op) {
+  Out* p = reinterpret_cast<Out*>(out.data_ptr());
+  const bool pairs = out.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(p) % (2 * sizeof(Out)) == 0;
+  const StoreEpilogue<Out> epi{p, out.stride(0), bias, accumulate, pairs};
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaError_t e = g.dtype == DType::kF32 ? launch_det_gemm_f32(g, epi, stream)
+                                               : launch_det_gemm_sm90(g, epi, sm_count(), stream);
+  check_launch(e, op);
+}
+
+int64_t leading_rows(const at::Tensor& t) {
+  int64_t m = 1;
+  for (int64_t i = 0; i + 1 < t.dim(); ++i) m *= t.size(i);
+  return m;
+}
+
+}  // namespace
+
+void gemm_into(const at::Tensor& a, const at::Tensor& b, at::Tensor& out,
+               const std::optional<at::Tensor>& bias, bool accumulate, const char* op) {
+  const int64_t m = a.size(0), n = b.size(0), k = a.size(1);
+  TORCH_CHECK(m <= INT_MAX && n <= INT_MAX && k <= INT_MAX, op, ": dimensions beyond 2^31 - 1");
+  TORCH_INTERNAL_ASSERT(out.size(0) == m && out.size(1) == n && out.stride(1) == 1 && b.size(1) == k);
+  if (m == 0 || n == 0) return;
+  if (k == 0) {  // an empty sum: out = bias or 0 (or unchanged when accumulating)
+    if (!accumulate) bias.has_value() ? out.copy_(bias->to(at::kFloat).expand({m, n})) : out.zero_();
+    return;
+  }
+  const bool tensor_cores = a.scalar_type() == b.scalar_type() && a.scalar_type() != at::kFloat;
+  const at::Tensor a2 = tensor_cores ? tma_rows(a) : a.to(at::kFloat).contiguous();
+  const at::Tensor b2 = tensor_cores ? tma_rows(b) : b.to(at::kFloat).contiguous();
+  const GemmOperands g{a2.data_ptr(), a2.stride(0), b2.data_ptr(), b2.stride(0), static_cast<int>(m),
+                       static_cast<int>(n), static_cast<int>(k),
+                       tensor_cores ? dtype_of(a.scalar_type()) : DType::kF32};
+  at::Tensor bf;
+  if (bias.has_value()) bf = bias->to(at::kFloat).contiguous();
+  const float* bp = bias.has_value() ? bf.data_ptr<float>() : nullptr;
+  switch (out.scalar_type()) {
+    case at::kBFloat16: gemm_store<__nv_bfloat16>(g, out, bp, accumulate, op); break;
+    case at::kHalf: gemm_store<__half>(g, out, bp, accumulate, op); break;
+    case at::kFloat: gemm_store<float>(g, out, bp, accumulate, op); break;
+    default: TORCH_CHECK(false, op, ": unsupported output dtype ", out.scalar_type());
+  }
+}
+
+namespace {
+
+at::Tensor det_gemm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  constexpr const char* op = "rl_engine::det_gemm";
+  check_float(x, op, "x");
+  check_float(w, op, "w");
+  TORCH_CHECK(w.dim() == 2 && x.dim() >= 1 && x.size(-1) == w.size(1), op, ": x [..., K] and w [N, K] "
+              "must agree on K, got x ", x.sizes(), " and w ", w.sizes());
+  check_on(w, x, op, "w");
+  if (bias.has_value()) {
+    check_float(*bias, op, "bias");
+    check_on(*bias, x, op, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0), op, ": bias must be [N], got ",
+                bias->sizes());
+  }
+  c10::cuda::CUDAGuard guard(x.device());
+  count_launch(kDetGemm, kCuda);
+  const int64_t k = w.size(1), n = w.size(0), m = leading_rows(x);
+  auto y = at::empty({m, n}, x.options());
+  gemm_into(x.reshape({m, k}), w, y, bias, false, op);
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  return y.reshape(sizes);
+}
+
+at::Tensor det_gemm_grad_input(const at::Tensor& grad_y, const at::Tensor& w) {
+  constexpr const char* op = "rl_engine::det_gemm_grad_input";
+  check_float(grad_y, op, "grad_y");
+  check_float(w, op, "w");
+  TORCH_CHECK(w.dim() == 2 && grad_y.dim() >= 1 && grad_y.size(-1) == w.size(0), op, ": grad_y "
+              "[..., N] and w [N, K] must agree on N, got ", grad_y.sizes(), " and ", w.sizes());
+  check_on(w, grad_y, op, "w");
+  c10::cuda::CUDAGuard guard(grad_y.device());
+  count_launch(kDetGemmGradInput, kCuda);
+  const int64_t n = w.size(0), k = w.size(1), m = leading_rows(grad_y);
+  auto dx = at::empty({m, k}, grad_y.options());
+  // dx[m, k] = sum_n dy[m, n] w[n, k]: B = w^T [K, N] (one transposed copy), reduction over n.
+  gemm_into(grad_y.reshape({m, n}), w.t(), dx, std::nullopt, false, op);
+  auto sizes = grad_y.sizes().vec();
+  sizes.back() = k;
+  return dx.reshape(sizes);
+}
+
+at::Tensor det_gemm_grad_weight(const at::Tensor& grad_y, const at::Tensor& x) {
+  constexpr const char* op = "rl_engine::det_gemm_grad_weight";
+  check_float(grad_y, op, "grad_y");
+  check_float(x, op, "x");
+  TORCH_CHECK(grad_y.dim() >= 1 && x.dim() >= 1, op, ": grad_y and x need a last dimension");
+  check_on(x, grad_y, op, "x");
+  const int64_t n = grad_y.size(-1), k = x.size(-1), rows = leading_rows(grad_y);
+  TORCH_CHECK(rows == leading_rows(x), op, ": grad_y and x must have the same rows, got ", rows,
+              " and ", leading_rows(x));
+  c10::cuda::CUDAGuard guard(grad_y.device());
+  count_launch(kDetGemmGradWeight, kCuda);
+  auto dw = at::empty({n, k}, grad_y.options().dtype(at::kFloat));
+  // dw[n, k] = sum_m dy[m, n] x[m, k]: A = dy^T, B = x^T (transposed copies), rows m in order.
+  gemm_into(grad_y.reshape({rows, n}).t(), x.reshape({rows, k}).t(), dw, std::nullopt, false, op);
+  return dw;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(rl_engine, CUDA, m) {
+  m.impl("det_gemm", &det_gemm);
+  m.impl("det_gemm_grad_input", &det_gemm_grad_input);
+  m.impl("det_gemm_grad_weight", &det_gemm_grad_weight);
+}
+
+}  // namespace rl_engine::cuda

@@ -1,0 +1,281 @@
+// Batch-invariant GEMM C[m, n] = sum_k A[m, k] B[n, k] for Hopper (sm_90a), both operands K-major.
+//
+// One tile configuration for every shape: 128 x 256 output tiles, K walked in steps of 64 from 0
+// upwards, each step four wgmma m64n256k16 into fp32 registers. A row's bits therefore depend only
+// on that row and B: not on M, on the row's position, on the grid or on the tile order. There is
+// no split-K, no stream-K and no atomic. The grid is persistent (one CTA per SM, tiles strided over
+// CTAs); warpgroup 0 is the producer (one thread issues bulk tensor copies into a 4-stage ring of
+// shared memory guarded by mbarriers), warpgroups 1 and 2 each own 64 rows of the tile.
+//
+// The epilogue is a functor called by each consumer warpgroup with its 64 x 256 fp32 fragment, so
+// the same main loop serves det_gemm's store and the fused log-sum-exp tiles of linear_logp.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "rl_engine/cuda/ptx.cuh"
+#include "rl_engine/cuda/types.cuh"
+
+namespace rl_engine::cuda {
+
+namespace gemm_cfg {
+constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4, kConsumers = 2;
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr uint32_t kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2;
+constexpr uint32_t kStageBytes = kABytes + kBBytes;
+constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;  // + barriers, alignment
+constexpr int kGroupM = 16;  // tile order: 16 row blocks per band, for L2 reuse of B
+}  // namespace gemm_cfg
+
+// Position of one output tile in the persistent order (bands of kGroupM row blocks, column-major
+// inside a band). Only the schedule depends on it, never the arithmetic.
+__device__ __forceinline__ void gemm_tile_coords(int tile, int m_blocks, int n_blocks, int& mb, int& nb) {
+  const int per_band = gemm_cfg::kGroupM * n_blocks;
+  const int band = tile / per_band;
+  const int first = band * gemm_cfg::kGroupM;
+  const int rows = min(m_blocks - first, gemm_cfg::kGroupM);
+  const int local = tile - band * per_band;
+  mb = first + local % rows;
+  nb = local / rows;
+}
+
+// Fragment layout of one consumer (m64n256 fp32): thread t of the warpgroup holds, for each
+// 8-column block j, acc[4j + 2h + e] = C[row0 + 16 (t / 32) + (t % 32) / 4 + 8h, col0 + 8j + 2 (t % 4) + e].
+template <bool kHalf, typename Epi>
+__global__ void __launch_bounds__(gemm_cfg::kThreads, 1)
+    det_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
+                         const __grid_constant__ CUtensorMap map_b, int m, int n, int k, const Epi epi) {
+  using namespace gemm_cfg;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t base = (ptx::smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t bars = base + kStages * kStageBytes;
+  auto full = [&](uint32_t s) { return bars + 8u * s; };
+  auto empty = [&](uint32_t s) { return bars + 8u * (kStages + s); };
+
+  if (threadIdx.x == 0) {
+    for (uint32_t s = 0; s < kStages; ++s) {
+      ptx::mbar_init(full(s), 1);
+      ptx::mbar_init(empty(s), kConsumers);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int m_blocks = (m + kBM - 1) / kBM, n_blocks = (n + kBN - 1) / kBN;
+  const int tiles = m_blocks * n_blocks, k_iters = (k + kBK - 1) / kBK;
+  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+
+  if (wg == 0) {
+    ptx::setmaxnreg_dec<24>();
+    if (tid != 0) return;
+    uint32_t it = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      int mb, nb;
+      gemm_tile_coords(tile, m_blocks, n_blocks, mb, nb);
+      for (int kb = 0; kb < k_iters; ++kb, ++it) {
+        const uint32_t s = it % kStages, phase = (it / kStages) & 1u;
+        ptx::mbar_wait(empty(s), phase ^ 1u);  // first pass: the slot starts free
+        ptx::mbar_arrive_expect_tx(full(s), kStageBytes);
+        const uint32_t a = base + s * kStageBytes;
+        ptx::tma_load_2d(a, &map_a, full(s), kb * kBK, mb * kBM);
+        ptx::tma_load_2d(a + kABytes, &map_b, full(s), kb * kBK, nb * kBN);
+      }
+    }
+    return;
+  }
+
+  ptx::setmaxnreg_inc<240>();
+  const int c = wg - 1;
+  float acc[128];
+  uint32_t it = 0;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    int mb, nb;
+    gemm_tile_coords(tile, m_blocks, n_blocks, mb, nb);
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    for (int kb = 0; kb < k_iters; ++kb, ++it) {
+      const uint32_t s = it % kStages, phase = (it / kStages) & 1u;
+      ptx::mbar_wait(full(s), phase);
+      const uint32_t a = base + s * kStageBytes + c * (64 * 128);
+      const uint32_t b = base + s * kStageBytes + kABytes;
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        ptx::wgmma_m64n256k16<kHalf>(acc, ptx::smem_desc_sw128(a + 32 * kk),
+                                     ptx::smem_desc_sw128(b + 32 * kk));
+      }
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<1>();  // the previous step's products are done: free its slot
+      if (kb > 0 && tid == 0) ptx::mbar_arrive(empty((it - 1) % kStages));
+    }
+    ptx::wgmma_wait<0>();
+    if (k_iters > 0 && tid == 0) ptx::mbar_arrive(empty((it - 1) % kStages));
+#pragma unroll
+    for (int i = 0; i < 128; ++i) ptx::reg_fence(acc[i]);
+    epi(acc, mb * kBM + c * 64, nb * kBN, m, n);
+  }
+}
+
+// Plain fp32 path (fp32 or mixed-dtype operands): 64 x 64 tiles, each output one fmaf chain over
+// k = 0, 1, ..., K-1 (zero terms past K), so it is batch invariant too.
+template <typename Epi>
+__global__ void __launch_bounds__(256)
+    det_gemm_f32_kernel(const float* a, int64_t lda, const float* b, int64_t ldb, int m, int n, int k,
+                        const Epi epi) {
+  __shared__ float as[16][64 + 4];
+  __shared__ float bs[16][64 + 4];
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int row0 = blockIdx.y * 64, col0 = blockIdx.x * 64;
+  const int lr = threadIdx.x / 4, lk = (threadIdx.x % 4) * 4;
+  float acc[4][4] = {};
+  for (int k0 = 0; k0 < k; k0 += 16) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int gk = k0 + lk + e;
+      as[lk + e][lr] = (row0 + lr < m && gk < k) ? a[(row0 + lr) * lda + gk] : 0.f;
+      bs[lk + e][lr] = (col0 + lr < n && gk < k) ? b[(col0 + lr) * ldb + gk] : 0.f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < 16; ++kk) {
+      float av[4], bv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        av[i] = as[kk][ty * 4 + i];
+        bv[i] = bs[kk][tx * 4 + i];
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int row = row0 + ty * 4 + i;
+    epi.store_pair(row, col0 + tx * 4, acc[i][0], acc[i][1], m, n);
+    epi.store_pair(row, col0 + tx * 4 + 2, acc[i][2], acc[i][3], m, n);
+  }
+}
+
+// out[r, c] = acc (+ bias[c]) or out[r, c] + acc (accumulate, fp32 outputs), rounded once to Out.
+template <typename Out>
+struct StoreEpilogue {
+  Out* out;
+  int64_t ldo;
+  const float* bias;  // fp32 [n] or null
+  bool accumulate;
+  bool pairs;  // ldo even and out aligned: adjacent columns go out in one store
+
+  __device__ __forceinline__ void store_pair(int row, int col, float v0, float v1, int m, int n) const {
+    if (row >= m || col >= n) return;
+    Out* p = out + static_cast<int64_t>(row) * ldo + col;
+    const bool two = col + 1 < n;
+    if (bias != nullptr) {
+      v0 = v0 + bias[col];
+      if (two) v1 = v1 + bias[col + 1];
+    }
+    if (accumulate) {
+      v0 = to_float(p[0]) + v0;
+      if (two) v1 = to_float(p[1]) + v1;
+    }
+    if (two && pairs) {
+      rl_engine::cuda::store_pair(p, v0, v1);
+    } else {
+      p[0] = from_float<Out>(v0);
+      if (two) p[1] = from_float<Out>(v1);
+    }
+  }
+
+  __device__ __forceinline__ void operator()(const float (&acc)[128], int row0, int col0, int m,
+                                             int n) const {
+    const int t = threadIdx.x % 128;
+    const int r = row0 + (t / 32) * 16 + (t % 32) / 4, cq = col0 + (t % 4) * 2;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      store_pair(r, cq + 8 * j, acc[4 * j], acc[4 * j + 1], m, n);
+      store_pair(r + 8, cq + 8 * j, acc[4 * j + 2], acc[4 * j + 3], m, n);
+    }
+  }
+};
+
+// Host side. Operands: A [m, k] and B [n, k] with leading dimensions lda, ldb (elements).
+struct GemmOperands {
+  const void* a;
+  int64_t lda;
+  const void* b;
+  int64_t ldb;
+  int m, n, k;
+  DType dtype;  // kBF16 or kF16 for the wgmma path, kF32 for the plain path
+};
+
+using TmaEncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                 const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver's tensor-map encoder, found through the runtime so no link against libcuda is needed.
+inline TmaEncodeFn tma_encode_fn() {
+  static const TmaEncodeFn fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    const cudaError_t e =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q);
+    return (e == cudaSuccess && q == cudaDriverEntryPointSuccess) ? reinterpret_cast<TmaEncodeFn>(p)
+                                                                    : nullptr;
+  }();
+  return fn;
+}
+
+// Tensor map of a row-major [rows, cols] 16-bit matrix, box 64 columns x box_rows rows, 128-byte
+// swizzle; reads past the edges return zeros. Needs a 16-byte aligned base and row pitch.
+inline cudaError_t encode_tma_2d(CUtensorMap* map, const void* ptr, DType dtype, int64_t rows,
+                                 int64_t cols, int64_t ld, uint32_t box_rows) {
+  const TmaEncodeFn encode = tma_encode_fn();
+  if (encode == nullptr) return cudaErrorSymbolNotFound;
+  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0 || (ld * 2) % 16 != 0) return cudaErrorInvalidValue;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld * 2)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(gemm_cfg::kBK), box_rows};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode(
+      map, dtype == DType::kF16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+      2, const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <typename Epi>
+cudaError_t launch_det_gemm_sm90(const GemmOperands& op, const Epi& epi, int num_sms,
+                                 cudaStream_t stream) {
+  using namespace gemm_cfg;
+  if (op.m <= 0 || op.n <= 0) return cudaSuccess;
+  CUtensorMap map_a, map_b;
+  cudaError_t e = encode_tma_2d(&map_a, op.a, op.dtype, op.m, op.k, op.lda, kBM);
+  if (e == cudaSuccess) e = encode_tma_2d(&map_b, op.b, op.dtype, op.n, op.k, op.ldb, kBN);
+  if (e != cudaSuccess) return e;
+  auto kernel = op.dtype == DType::kF16 ? det_gemm_sm90_kernel<true, Epi> : det_gemm_sm90_kernel<false, Epi>;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (e != cudaSuccess) return e;
+  const int tiles = ((op.m + kBM - 1) / kBM) * ((op.n + kBN - 1) / kBN);
+  const int grid = tiles < num_sms ? tiles : num_sms;
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(map_a, map_b, op.m, op.n, op.k, epi);
+  return cudaGetLastError();
+}
+
+template <typename Epi>
+cudaError_t launch_det_gemm_f32(const GemmOperands& op, const Epi& epi, cudaStream_t stream) {
+  if (op.m <= 0 || op.n <= 0) return cudaSuccess;
+  const dim3 grid((op.n + 63) / 64, (op.m + 63) / 64);
+  det_gemm_f32_kernel<<<grid, 256, 0, stream>>>(static_cast<const float*>(op.a), op.lda,
+                                                static_cast<const float*>(op.b), op.ldb, op.m, op.n,
+                                                op.k, epi);
+  return cudaGetLastError();
+}
+
+}  // namespace rl_engine::cuda

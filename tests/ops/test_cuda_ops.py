@@ -1,0 +1,216 @@
+"""The Hopper (sm_90a) kernels: bitwise batch invariance (torch.equal across batch sizes, row
+positions and vocab splits), agreement with plain-torch references in float64 within stated
+tolerances, launch counters, and the op contracts (opcheck). Skipped without a Hopper GPU."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm_90) CUDA GPU")]
+
+DEV = "cuda"
+# Relative Frobenius error against float64 references. bf16/fp16 outputs carry one rounding
+# (2^-9 / 2^-12 relative); fp32 outputs only differ by summation order.
+REL = {torch.bfloat16: 6e-3, torch.float16: 1e-3, torch.float32: 1e-5}
+
+
+@pytest.fixture
+def ops(rl_ops):
+    assert rl_ops.det_gemm_sm90_compiled(), "the extension was built without its sm_90a kernels"
+    return rl_ops
+
+
+def randn(*shape, dtype=torch.bfloat16, seed=0, scale=1.0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return (torch.randn(*shape, generator=g, device=DEV) * scale).to(dtype)
+
+
+def rel(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+# ---------------------------------------------------------------- det_gemm
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_det_gemm_rows_do_not_depend_on_batch_or_position(ops, dtype):
+    k, n = 520, 1000  # K not a multiple of the 64-wide k step, N not of the 256-wide tile
+    x, w, bias = randn(8192, k, dtype=dtype, seed=1), randn(n, k, dtype=dtype, seed=2), randn(n, seed=3)
+    y = ops.det_gemm(x, w, None)
+    for m in (1, 2, 3, 16, 64, 257, 1024, 4096, 8192):
+        assert torch.equal(ops.det_gemm(x[:m], w, None), y[:m]), m
+        assert torch.equal(ops.det_gemm(x[8192 - m:], w, None), y[8192 - m:]), m
+    perm = torch.randperm(8192, device=DEV)
+    assert torch.equal(ops.det_gemm(x[perm], w, None), y[perm])
+    assert rel(y, x.double() @ w.double().T) < REL[dtype]
+    yb = ops.det_gemm(x[:300], w, bias)
+    assert rel(yb, x[:300].double() @ w.double().T + bias.double()) < REL[dtype]
+    assert torch.equal(ops.det_gemm(x[5:6], w, bias), yb[5:6])
+
+
+def test_det_gemm_fp32_path_is_invariant_and_exact(ops):
+    x, w = randn(300, 70, dtype=torch.float32, seed=4), randn(90, 70, dtype=torch.float32, seed=5)
+    y = ops.det_gemm(x, w, None)
+    for m in (1, 3, 64, 257):
+        assert torch.equal(ops.det_gemm(x[:m], w, None), y[:m])
+    assert rel(y, x.double() @ w.double().T) < REL[torch.float32]
+
+
+def test_det_gemm_backward_products(ops):
+    m, n, k = 1027, 776, 264
+    x, w, dy = randn(m, k, seed=6), randn(n, k, seed=7), randn(m, n, seed=8)
+    dx = ops.det_gemm_grad_input(dy, w)
+    assert rel(dx, dy.double() @ w.double()) < REL[torch.bfloat16]
+    for rows in (1, 3, 64, 1000):
+        assert torch.equal(ops.det_gemm_grad_input(dy[:rows], w), dx[:rows])
+        assert torch.equal(ops.det_gemm_grad_input(dy[m - rows:], w), dx[m - rows:])
+    dw = ops.det_gemm_grad_weight(dy, x)
+    assert dw.dtype == torch.float32
+    assert rel(dw, dy.double().T @ x.double()) < 1e-5  # exact bf16 products, fp32 sums
+    assert torch.equal(ops.det_gemm_grad_weight(dy, x), dw)
+    ones = torch.ones(m, 1, dtype=torch.bfloat16, device=DEV)  # the bias gradient of ops.linear
+    assert rel(ops.det_gemm_grad_weight(dy, ones)[:, 0], dy.double().sum(0)) < 1e-5
+
+
+# ---------------------------------------------------------------- rmsnorm / rope / swiglu
+@pytest.mark.parametrize("h", [128, 1001, 4096, 5120])
+def test_rmsnorm_forward_and_backward(ops, h):
+    rows, eps = 777, 1e-6
+    x, w, g = randn(rows, h, seed=9), randn(h, seed=10), randn(rows, h, seed=11)
+    out, rstd = ops.rmsnorm(x, w, eps)
+    xd = x.double().requires_grad_()
+    ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+    assert rel(out, ref) < REL[torch.bfloat16]
+    assert rel(rstd, torch.rsqrt(x.double().pow(2).mean(-1) + eps)) < 2e-6
+    for m in (1, 3, 100):
+        o2, r2 = ops.rmsnorm(x[rows - m:], w, eps)
+        assert torch.equal(o2, out[rows - m:]) and torch.equal(r2, rstd[rows - m:])
+    dx, dw = ops.rmsnorm_backward(g, x, w, rstd)
+    wd = w.double().requires_grad_()
+    ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * wd
+    ref_dx, ref_dw = torch.autograd.grad(ref, (xd, wd), g.double())
+    assert rel(dx, ref_dx) < 1e-2 and rel(dw, ref_dw) < 1e-4
+    assert torch.equal(ops.rmsnorm_backward(g[:5], x[:5], w, rstd[:5])[0], dx[:5])
+    assert torch.equal(ops.rmsnorm_backward(g, x, w, rstd)[1], dw)
+
+
+def rope_reference(x, pos, theta, sign=1.0):
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=DEV).float() / d))
+    ang = (pos.float()[:, None] * inv[None]).double()  # the fp32 angle, then exact trigonometry
+    c, s = ang.cos()[:, None], sign * ang.sin()[:, None]
+    x1, x2 = x.double()[..., : d // 2], x.double()[..., d // 2:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+
+@pytest.mark.parametrize("d", [128, 64, 6])
+def test_rope_forward_and_backward(ops, d):
+    t, heads, theta = 513, 4, 1e6
+    x = randn(t, heads, d, seed=12)
+    pos = torch.randint(0, 40000, (t,), device=DEV)
+    out = ops.rope(x, pos, theta)
+    assert rel(out, rope_reference(x, pos, theta)) < REL[torch.bfloat16]
+    perm = torch.randperm(t, device=DEV)
+    assert torch.equal(ops.rope(x[perm], pos[perm], theta), out[perm])
+    assert torch.equal(ops.rope(x[7:8], pos[7:8], theta), out[7:8])
+    xf = x.float()
+    back = ops.rope_backward(ops.rope(xf, pos, theta), pos, theta)
+    assert rel(back, xf) < 1e-5
+    assert rel(ops.rope_backward(x, pos, theta), rope_reference(x, pos, theta, -1.0)) < REL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("inter", [1536, 100, 7])
+def test_swiglu_forward_and_backward(ops, inter):
+    gu, dy = randn(301, 2 * inter, seed=13, scale=3.0), randn(301, inter, seed=14)
+    out = ops.swiglu(gu)
+    gd = gu.double().requires_grad_()
+    ref = F.silu(gd[:, :inter]) * gd[:, inter:]
+    assert rel(out, ref) < REL[torch.bfloat16]
+    assert torch.equal(ops.swiglu(gu[300:]), out[300:])
+    grad = ops.swiglu_backward(dy, gu)
+    assert rel(grad, torch.autograd.grad(ref, gd, dy.double())[0]) < 1e-2
+    assert torch.equal(ops.swiglu_backward(dy[:2], gu[:2]), grad[:2])
+
+
+# ---------------------------------------------------------------- linear_logp
+def logp_reference(hidden, weight, target):
+    logits = hidden.double() @ weight.double().T
+    return torch.log_softmax(logits, -1).gather(-1, target[:, None])[:, 0]
+
+
+def split_logp(ops, hidden, weight, target, tile, world):
+    v = weight.shape[0]
+    total = 1 << max(0, math.ceil(math.log2(math.ceil(v / tile))))
+    per = total // world
+    parts = []
+    for r in range(world):
+        start = min(v, r * per * tile)
+        stop = min(v, start + per * tile)
+        parts.append(ops.linear_logp_partial(hidden, weight[start:stop], target, start, tile, per))
+    return ops.logp_combine(*(torch.stack(p) for p in zip(*parts)))
+
+
+@pytest.mark.parametrize("tile", [64, 128, 256, 512])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_logp_splits_and_token_counts(ops, tile, dtype):
+    t, h, v = 300, 256, 3000
+    hidden, weight = randn(t, h, dtype=dtype, seed=15), randn(v, h, dtype=dtype, seed=16, scale=0.2)
+    target = torch.randint(0, v, (t,), device=DEV)
+    logp, lse = split_logp(ops, hidden, weight, target, tile, 1)
+    assert (logp - logp_reference(hidden, weight, target)).abs().max().item() < 1e-4
+    for world in (2, 4):
+        lp, ls = split_logp(ops, hidden, weight, target, tile, world)
+        assert torch.equal(lp, logp) and torch.equal(ls, lse), world
+    for m in (1, 7, 128):
+        lp, ls = split_logp(ops, hidden[t - m:], weight, target[t - m:], tile, 2)
+        assert torch.equal(lp, logp[t - m:]) and torch.equal(ls, lse[t - m:]), m
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_logp_backward(ops, dtype):
+    t, h, v = 200, 64, 9000  # two vocab chunks of the backward
+    hidden, weight = randn(t, h, dtype=dtype, seed=17), randn(v, h, dtype=dtype, seed=18, scale=0.3)
+    target, grad = torch.randint(0, v, (t,), device=DEV), randn(t, dtype=torch.float32, seed=19)
+    _, lse = split_logp(ops, hidden, weight, target, 256, 1)
+    gh, gw = ops.linear_logp_backward(grad, hidden, weight, target, lse, 0)
+    hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref_h, ref_w = torch.autograd.grad((logp_reference(hd, wd, target) * grad.double()).sum(), (hd, wd))
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bf16: dlogit is rounded once, as in production
+    assert rel(gh, ref_h) < tol and rel(gw, ref_w) < tol
+    gh2, gw2 = ops.linear_logp_backward(grad[:9], hidden[:9], weight, target[:9], lse[:9], 0)
+    assert torch.equal(gh2, gh[:9])
+    assert torch.equal(ops.linear_logp_backward(grad, hidden, weight, target, lse, 0)[1], gw)
+
+
+# ---------------------------------------------------------------- contracts
+def test_counters_count_cuda_launches(ops):
+    from rl_engine.ops import counters
+
+    before = counters.read()
+    ops.det_gemm(randn(4, 64), randn(8, 64), None)
+    ops.swiglu(randn(4, 16))
+    assert counters.delta(before, counters.read()) == {("det_gemm", "cuda"): 1, ("swiglu", "cuda"): 1}
+
+
+def test_opcheck(ops):
+    x, w, b = randn(5, 64), randn(24, 64), randn(24)
+    torch.library.opcheck(ops.det_gemm, (x, w, b))
+    torch.library.opcheck(ops.det_gemm_grad_input, (randn(5, 24), w))
+    torch.library.opcheck(ops.det_gemm_grad_weight, (randn(5, 24), x))
+    out, rstd = ops.rmsnorm(x, w[0], 1e-6)
+    torch.library.opcheck(ops.rmsnorm, (x, w[0], 1e-6))
+    torch.library.opcheck(ops.rmsnorm_backward, (x, x, w[0], rstd))
+    q, pos = randn(5, 2, 8), torch.arange(5, device=DEV)
+    torch.library.opcheck(ops.rope, (q, pos, 1e4))
+    torch.library.opcheck(ops.rope_backward, (q, pos, 1e4))
+    torch.library.opcheck(ops.swiglu, (x,))
+    torch.library.opcheck(ops.swiglu_backward, (randn(5, 32), x))
+    wv, tgt = randn(300, 64), torch.randint(0, 300, (5,), device=DEV)
+    torch.library.opcheck(ops.linear_logp_partial, (x, wv, tgt, 0, 64, 8))
+    m, s, tl = ops.linear_logp_partial(x, wv, tgt, 0, 64, 8)
+    torch.library.opcheck(ops.logp_combine, (m[None], s[None], tl[None]))
+    lse = ops.logp_combine(m[None], s[None], tl[None])[1]
+    torch.library.opcheck(ops.linear_logp_backward, (randn(5, dtype=torch.float32), x, wv, tgt, lse, 0))
