@@ -169,6 +169,7 @@ def write_json(path: Path, payload: dict) -> None:
             fh.write("\n")
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a results file is for everyone
         os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)
