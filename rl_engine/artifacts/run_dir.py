@@ -3,6 +3,7 @@
   run.log  exit-code  matrix-case.env  manifest.json
   readbacks/{<engine>-<side>-<pid>}.json
   train-data/<rollout-id>.rank<rank>.pt
+  steps.json  weights/step-<n>.json
   bitwise-validation.json
   trace/
 """

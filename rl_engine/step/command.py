@@ -45,6 +45,7 @@ def execute(*, config: StepConfig, plan: Plan, run_id: str, root: Path, model_ro
             figures = run_steps(plan=plan, config=config, inputs=inputs, run=run, run_id=run_id,
                                 trace=trace, on_phase=lambda p: status.update(p))
         result = summary(figures)
+        files.write_json(run.root / "steps.json", {"run_id": run_id, **result})
         code = errors.OK
         if require_bitwise and result["max_abs_diff"] > threshold:
             code = errors.PARITY_FAILURE
