@@ -133,6 +133,9 @@ def manifest_verify(file: Path = typer.Argument(..., help="manifest.json or a sh
 
 def _mount_optional() -> None:
     """Sub-commands that live next to their code."""
+    from rl_engine.validation.attention_cli import mount as mount_attention_gate
+
+    mount_attention_gate(app)  # attention-gate
     from rl_engine.matrix.cli import app as matrix_app
     from rl_engine.trace.cli import app as trace_app
 
