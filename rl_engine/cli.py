@@ -7,13 +7,13 @@ import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
+from rl_engine.console import console as make_console
 
 from rl_engine import errors
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Prove that an RL trainer and its rollout engine compute the same log-probs.")
-console = Console(stderr=True, soft_wrap=True)
+console = make_console(stderr=True)
 
 
 @app.command()
@@ -133,6 +133,9 @@ def manifest_verify(file: Path = typer.Argument(..., help="manifest.json or a sh
 
 def _mount_optional() -> None:
     """Sub-commands that live next to their code."""
+    from rl_engine.stack.cli import mount as mount_stack
+
+    mount_stack(app)  # demo, up, down
     from rl_engine.validation.attention_cli import mount as mount_attention_gate
 
     mount_attention_gate(app)  # attention-gate
@@ -145,6 +148,9 @@ def _mount_optional() -> None:
     from rl_engine.models.cli import app as model_app
 
     app.add_typer(model_app, name="model", help="Generate or inspect Qwen3 checkpoints.")
+    from rl_engine.gate.cli import app as gate_app
+
+    app.add_typer(gate_app, name="gate")
 
 
 def main(argv: list[str] | None = None) -> int:

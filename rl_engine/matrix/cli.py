@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
+from rl_engine.console import console as make_console
 from rich.table import Table
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="The ablation matrix: run its cells, analyze them, show the report.")
-console = Console(stderr=True)
+console = make_console(stderr=True)
 
 
 @app.callback()
@@ -129,7 +129,7 @@ def history_cmd(
         table.add_row(r["date"], r["matrix_id"], _mark(r["passed"]), f"{r['cells_passed']}/{r['cells']}",
                       str(r["control_mismatch_count"]), ", ".join(r["failed"]),
                       ", ".join(r["attributed_modules"]) or "-")
-    Console().print(table)
+    make_console().print(table)
     return 0
 
 
@@ -152,7 +152,7 @@ def _print_report(report: dict) -> None:
                       _mark(c["passed"]), str(r["numel"]), str(r["mismatch_count"]),
                       f"{r['max_abs_diff']:.3g}", str(r["first_position"]),
                       "; ".join(c["reasons"][:3]) + (" ..." if len(c["reasons"]) > 3 else ""))
-    out = Console()
+    out = make_console()
     out.print(table)
     a = report.get("attribution") or {}
     if a:

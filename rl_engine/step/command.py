@@ -6,7 +6,7 @@ import logging
 import os
 from pathlib import Path
 
-from rich.console import Console
+from rl_engine.console import console as make_console
 from rich.table import Table
 
 from rl_engine import envs, errors
@@ -18,7 +18,7 @@ from rl_engine.step.config import StepConfig
 from rl_engine.step.runner import run_steps, summary
 from rl_engine.validation.validate import exit_code, validate
 
-console = Console(stderr=True, soft_wrap=True)
+console = make_console(stderr=True)
 
 
 def resolve_run(run_id: str | None, artifact_dir: Path | None) -> tuple[str, Path]:

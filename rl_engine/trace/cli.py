@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
+from rl_engine.console import console as make_console
 from rich.table import Table
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Check traced kernel launches against an operator plan.")
-console = Console(stderr=True)
+console = make_console(stderr=True)
 
 
 @app.callback()
