@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench clean lock
+.PHONY: install test demo up down bench clean lock
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +32,18 @@ test: install
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 	$(PY) -m pytest tests -q
 
+# The matrix DAG end to end on a local Ray head and a SQLite Airflow home under .state/.
+# WORKLOAD=default runs the runbook's workload instead of the ci one.
+WORKLOAD ?= ci
 demo: install
-	$(VENV)/bin/rlk demo
+	$(VENV)/bin/rlk demo --workload $(WORKLOAD)
+
+# The same stack in the background with the Airflow UI on 127.0.0.1 (`make down` stops it).
+up: install
+	$(VENV)/bin/rlk up
+
+down:
+	$(VENV)/bin/rlk down
 
 bench: install
 	$(PY) benchmarks/cpu_ops.py
