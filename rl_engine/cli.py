@@ -131,34 +131,27 @@ def manifest_verify(file: Path = typer.Argument(..., help="manifest.json or a sh
     return 2 if problems else 0
 
 
-def _mount_optional() -> None:
-    """Sub-commands that live next to their code."""
+def _mount_subcommands() -> None:
+    """Sub-commands that live next to their code. A sub-command that cannot be imported is a broken
+    checkout, so the error is not swallowed."""
+    from rl_engine.gate.cli import app as gate_app
+    from rl_engine.matrix.cli import app as matrix_app
+    from rl_engine.models.cli import app as model_app
     from rl_engine.stack.cli import mount as mount_stack
-
-    mount_stack(app)  # demo, up, down
+    from rl_engine.trace.cli import app as trace_app
     from rl_engine.validation.attention_cli import mount as mount_attention_gate
 
+    mount_stack(app)  # demo, up, down
     mount_attention_gate(app)  # attention-gate
-    from rl_engine.matrix.cli import app as matrix_app
-    from rl_engine.trace.cli import app as trace_app
-
     app.add_typer(matrix_app, name="matrix")
     app.add_typer(trace_app, name="trace")
-
-    from rl_engine.models.cli import app as model_app
-
     app.add_typer(model_app, name="model", help="Generate or inspect Qwen3 checkpoints.")
-    from rl_engine.gate.cli import app as gate_app
-
     app.add_typer(gate_app, name="gate")
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    try:
-        _mount_optional()
-    except ImportError:
-        pass
+    _mount_subcommands()
     try:
         result = app(args=argv, standalone_mode=False)
     except SystemExit as exc:
