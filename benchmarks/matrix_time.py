@@ -1,9 +1,10 @@
 """Wall time of `rlk matrix run` on the embedded model, and the share spent outside the steps.
 
 Runs the whole matrix (control, nine cells, baseline) in a new matrix root, then reads each cell's
-steps.json (the rollout and training phases of every step, timed by the runner itself). Everything
-else, process start-up, model loading, worker spawn and teardown, validation and the analysis, is
-"outside the steps". Writes benchmarks/results/matrix_time.json.
+steps.json (the rollout and training phases of every step, timed by the runner itself, each
+including the start of its worker processes). Everything else is "outside the steps": each cell's
+`rlk run` start-up, input loading and hashing, the manifest, validation, cleanup between cells and
+the analysis. Writes benchmarks/results/matrix_time.json.
 
     python benchmarks/matrix_time.py [--workload ci|default]
 """
