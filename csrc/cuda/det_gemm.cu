@@ -97,7 +97,7 @@ at::Tensor det_gemm_grad_input(const at::Tensor& grad_y, const at::Tensor& w) {
   const int64_t n = w.size(0), k = w.size(1), m = leading_rows(grad_y);
   auto dx = at::empty({m, k}, grad_y.options());
   // dx[m, k] = sum_n dy[m, n] w[n, k]: B = w^T [K, N] (one transposed copy), reduction over n.
-  gemm_into(grad_y.reshape({m, n}), w.t(), dx, std::nullopt, false, op);
+  gemm_into(grad_y.reshape({m, n}), transposed_rows(w, op), dx, std::nullopt, false, op);
   auto sizes = grad_y.sizes().vec();
   sizes.back() = k;
   return dx.reshape(sizes);
@@ -116,7 +116,8 @@ at::Tensor det_gemm_grad_weight(const at::Tensor& grad_y, const at::Tensor& x) {
   count_launch(kDetGemmGradWeight, kCuda);
   auto dw = at::empty({n, k}, grad_y.options().dtype(at::kFloat));
   // dw[n, k] = sum_m dy[m, n] x[m, k]: A = dy^T, B = x^T (transposed copies), rows m in order.
-  gemm_into(grad_y.reshape({rows, n}).t(), x.reshape({rows, k}).t(), dw, std::nullopt, false, op);
+  gemm_into(transposed_rows(grad_y.reshape({rows, n}), op), transposed_rows(x.reshape({rows, k}), op), dw,
+            std::nullopt, false, op);
   return dw;
 }
 

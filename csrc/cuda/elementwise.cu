@@ -4,6 +4,8 @@
 // operands are made contiguous and 16-byte aligned so the access width never depends on the call.
 #include <torch/library.h>
 
+#include <type_traits>
+
 #include "cuda/glue.cuh"
 #include "kernel_counters.h"
 #include "rl_engine/cuda/rmsnorm.cuh"
@@ -35,19 +37,24 @@ void dispatch(at::ScalarType s, int64_t width, F&& f) {
   else go(float{});
 }
 
-// Row group size from the vectors per row: every thread holds at most max_v of them.
-int group_for(int64_t nv, int max_v, const char* op) {
-  if (nv <= 32 * max_v) return 32;
-  if (nv <= 128 * max_v) return 128;
-  TORCH_CHECK(nv <= 512 * max_v, op, ": rows of ", nv, " vectors are wider than this kernel handles");
-  return 512;
+// Row group size from the vectors per row (each thread holds at most kRmsMaxV of them): a function
+// of H and the dtype only, so every call on rows of one width runs one reduction tree.
+int group_for(int64_t nv, const char* op) {
+  for (const int g : {16, 32, 128, 512, 1024}) {
+    if (nv <= int64_t{g} * kRmsMaxV) return g;
+  }
+  TORCH_CHECK(false, op, ": rows of ", nv, " vectors are wider than this kernel handles");
 }
 
 template <typename L>
 void with_group(int g, L&& launch) {
-  if (g == 32) launch(std::integral_constant<int, 32>{});
-  else if (g == 128) launch(std::integral_constant<int, 128>{});
-  else launch(std::integral_constant<int, 512>{});
+  switch (g) {
+    case 16: launch(std::integral_constant<int, 16>{}); break;
+    case 32: launch(std::integral_constant<int, 32>{}); break;
+    case 128: launch(std::integral_constant<int, 128>{}); break;
+    case 512: launch(std::integral_constant<int, 512>{}); break;
+    default: launch(std::integral_constant<int, 1024>{}); break;
+  }
 }
 
 void check_norm(const at::Tensor& x, const at::Tensor& weight, const char* op) {
@@ -74,10 +81,10 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm(const at::Tensor& x, const at::Tensor
     dispatch(dt, h, [&](auto tag, auto vec) {
       using T = decltype(tag);
       constexpr int V = decltype(vec)::value;
-      with_group(group_for(h / V, 8, op), [&](auto grp) {
+      with_group(group_for(h / V, op), [&](auto grp) {
         constexpr int G = decltype(grp)::value;
-        const int block = G > 256 ? G : 256, per_block = block / G;
-        rmsnorm_fwd_kernel<T, G, 8, V><<<(rows + per_block - 1) / per_block, block, 0,
+        const int block = rms_block<G>(), per_block = block / G;
+        rmsnorm_fwd_kernel<T, G, V><<<(rows + per_block - 1) / per_block, block, 0,
                                          at::cuda::getCurrentCUDAStream()>>>(
             reinterpret_cast<const T*>(x2.data_ptr()), reinterpret_cast<const T*>(w.data_ptr()),
             reinterpret_cast<T*>(out.data_ptr()), rstd.data_ptr<float>(), rows, static_cast<int>(h),
@@ -115,10 +122,15 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_backward(const at::Tensor& grad_out, 
     dispatch(dt, h, [&](auto tag, auto vec) {
       using T = decltype(tag);
       constexpr int V = decltype(vec)::value;
-      with_group(group_for(h / V, 4, op), [&](auto grp) {
+      with_group(group_for(h / V, op), [&](auto grp) {
         constexpr int G = decltype(grp)::value;
-        const int block = G > 256 ? G : 256, per_block = block / G;
-        rmsnorm_bwd_kernel<T, G, 4, V><<<(chunks + per_block - 1) / per_block, block, 0, stream>>>(
+        const int block = rms_block<G>(), per_block = block / G;
+        const int smem = static_cast<int>(per_block * h * sizeof(float));
+        if (smem > 48 * 1024) {
+          check_launch(cudaFuncSetAttribute(rmsnorm_bwd_kernel<T, G, V>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, smem), op);
+        }
+        rmsnorm_bwd_kernel<T, G, V><<<(chunks + per_block - 1) / per_block, block, smem, stream>>>(
             reinterpret_cast<const T*>(g2.data_ptr()), reinterpret_cast<const T*>(x2.data_ptr()),
             reinterpret_cast<const T*>(w.data_ptr()), rs.data_ptr<float>(),
             reinterpret_cast<T*>(dx.data_ptr()), part.data_ptr<float>(), rows, static_cast<int>(h),
@@ -126,9 +138,18 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_backward(const at::Tensor& grad_out, 
       });
     });
     check_launch(cudaGetLastError(), op);
-    rmsnorm_column_sum_kernel<<<(h + 255) / 256, 256, 0, stream>>>(part.data_ptr<float>(), chunks,
-                                                                   static_cast<int>(h), dw.data_ptr<float>());
-    check_launch(cudaGetLastError(), op);
+    // Fixed tree over chunk partials, kRmsFanIn at a time in order, down to one row (= dw).
+    at::Tensor level = part;
+    for (int64_t n = chunks;;) {
+      const int64_t out_rows = (n + kRmsFanIn - 1) / kRmsFanIn;
+      at::Tensor next = out_rows == 1 ? dw : at::empty({out_rows, h}, dw.options());
+      rmsnorm_column_sum_kernel<<<(out_rows * h + 255) / 256, 256, 0, stream>>>(
+          level.data_ptr<float>(), n, static_cast<int>(h), next.data_ptr<float>());
+      check_launch(cudaGetLastError(), op);
+      if (out_rows == 1) break;
+      level = next;
+      n = out_rows;
+    }
   }
   return {dx.to(x.scalar_type()).reshape(x.sizes()), dw};
 }
@@ -156,7 +177,7 @@ at::Tensor rope_apply(const at::Tensor& x, const at::Tensor& positions, double t
     dispatch(x.scalar_type(), d / 2, [&](auto tag, auto vec) {
       using T = decltype(tag);
       constexpr int V = decltype(vec)::value;
-      const int64_t work = t * (d / 2 / V);
+      const int64_t work = t * ((heads + kRopeHeads - 1) / kRopeHeads) * (d / 2 / V);
       rope_kernel<T, V><<<(work + 255) / 256, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
           reinterpret_cast<const T*>(xc.data_ptr()), pos.data_ptr<int64_t>(),
           inv_freq.data_ptr<float>(), sign, reinterpret_cast<T*>(out.data_ptr()), t,

@@ -7,8 +7,11 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
+#include <climits>
 #include <optional>
 
+#include "rl_engine/cuda/transpose.cuh"
 #include "rl_engine/cuda/types.cuh"
 
 namespace rl_engine::cuda {
@@ -53,6 +56,26 @@ inline at::Tensor tma_rows(const at::Tensor& t) {
   auto view = buf.narrow(1, 0, t.size(1));
   view.copy_(t);
   return view;
+}
+
+// t^T [cols, rows] with 16-byte aligned rows in one pass of the tiled transpose (16-bit types;
+// fp32 goes through torch, its GEMM path needs no alignment).
+inline at::Tensor transposed_rows(const at::Tensor& t, const char* op) {
+  if (t.element_size() != 2) return t.t().contiguous();
+  const auto src = t.stride(1) == 1 ? t : t.contiguous();
+  const int64_t rows = src.size(0), cols = src.size(1);
+  TORCH_CHECK(rows < (int64_t{1} << 22) && cols <= INT_MAX, op, ": matrix too large to transpose: ",
+              src.sizes());
+  auto buf = at::empty({cols, round_up(std::max<int64_t>(rows, 1), 8)}, t.options());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    return launch_transpose<T>(reinterpret_cast<const T*>(src.data_ptr()), src.stride(0),
+                               static_cast<int>(rows), static_cast<int>(cols),
+                               reinterpret_cast<T*>(buf.data_ptr()), buf.stride(0), stream);
+  };
+  check_launch(t.scalar_type() == at::kHalf ? launch(__half{}) : launch(__nv_bfloat16{}), op);
+  return buf.narrow(1, 0, rows);
 }
 
 // out[m, n] (=|+=) a[m, k] . b[n, k]^T (+ bias[n]): bf16/fp16 pairs go to the sm_90a kernel, anything

@@ -76,7 +76,7 @@ def test_det_gemm_backward_products(ops):
 
 
 # ---------------------------------------------------------------- rmsnorm / rope / swiglu
-@pytest.mark.parametrize("h", [128, 1001, 4096, 5120])
+@pytest.mark.parametrize("h", [128, 768, 1001, 4096, 5120])
 def test_rmsnorm_forward_and_backward(ops, h):
     rows, eps = 777, 1e-6
     x, w, g = randn(rows, h, seed=9), randn(h, seed=10), randn(rows, h, seed=11)
@@ -108,7 +108,7 @@ def rope_reference(x, pos, theta, sign=1.0):
 
 @pytest.mark.parametrize("d", [128, 64, 6])
 def test_rope_forward_and_backward(ops, d):
-    t, heads, theta = 513, 4, 1e6
+    t, heads, theta = 513, 12, 1e6  # one full group of 8 heads and one partial group
     x = randn(t, heads, d, seed=12)
     pos = torch.randint(0, 40000, (t,), device=DEV)
     out = ops.rope(x, pos, theta)

@@ -1,13 +1,15 @@
 // RMSNorm for Hopper: out[r, i] = (x[r, i] * rstd[r]) * w[i], rstd[r] = rsqrt(sum_i x^2 / H + eps).
 //
-// A row is handled by a group of G threads (G = 32, 128 or 512, chosen from H alone): thread g
-// takes vectors g, g + G, ... of V elements (16-byte accesses when the row allows), sums squares in
-// that order, then the group adds through group_sum's fixed tree. So the reduction tree of a row
-// depends only on H and the dtype, never on the number of rows or the row's position.
+// A row is handled by a group of G threads (G = 16, 32, 128, 512 or 1024, chosen from H alone):
+// thread g takes vectors g, g + G, ... of V elements (16-byte accesses when the row allows), sums
+// squares in that order, then the group adds through group_sum's fixed tree. So the reduction tree
+// of a row depends only on H and the dtype, never on the number of rows or the row's position.
+// The row stays in registers, packed, between the two passes.
 //
-// Backward: each group walks a fixed chunk of kRmsChunk rows in order, writing grad_x and keeping
-// a per-column partial of g * (x * rstd); rmsnorm_column_sum_kernel adds the chunk partials in
-// chunk order. grad_weight therefore sums rows in a fixed order anchored at row 0.
+// Backward: each group walks a fixed chunk of kRmsChunk rows in order, writing grad_x and adding
+// g * (x * rstd) into its own per-column slots in shared memory; the chunk partials go to memory and
+// rmsnorm_column_sum_kernel adds them, 32 consecutive ones at a time in order, level by level.
+// grad_weight therefore sums rows through a fixed tree anchored at row 0.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -19,26 +21,32 @@
 namespace rl_engine::cuda {
 
 constexpr int kRmsChunk = 16;
+constexpr int kRmsMaxV = 4;  // vectors per thread
 
-template <typename T, int G, int kMaxV, int V>
-__global__ void __launch_bounds__(G > 256 ? G : 256)
-    rmsnorm_fwd_kernel(const T* x, const T* w, T* out, float* rstd, int64_t rows, int h, float inv_h,
-                       float eps) {
+template <int G>
+constexpr int rms_block() { return G > 256 ? G : 256; }
+
+template <typename T, int G, int V>
+__global__ void __launch_bounds__(rms_block<G>())
+    rmsnorm_fwd_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ out,
+                       float* __restrict__ rstd, int64_t rows, int h, float inv_h, float eps) {
   __shared__ float red[32];
   const int gt = threadIdx.x % G;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / G) + threadIdx.x / G;
   const bool valid = row < rows;
   const int nv = h / V;
   const T* xr = x + row * h;
-  float xv[kMaxV][V];
+  Raw<T, V> xv[kRmsMaxV];
+#pragma unroll
+  for (int i = 0; i < kRmsMaxV; ++i) {
+    if (valid && gt + i * G < nv) xv[i].load(xr + (gt + i * G) * V);
+  }
   float ss = 0.f;
 #pragma unroll
-  for (int i = 0; i < kMaxV; ++i) {
-    const int vi = gt + i * G;
-    if (valid && vi < nv) {
-      load_f32<T, V>(xr + vi * V, xv[i]);
+  for (int i = 0; i < kRmsMaxV; ++i) {
+    if (valid && gt + i * G < nv) {
 #pragma unroll
-      for (int j = 0; j < V; ++j) ss = fmaf(xv[i][j], xv[i][j], ss);
+      for (int j = 0; j < V; ++j) ss = fmaf(xv[i].get(j), xv[i].get(j), ss);
     }
   }
   const float total = group_sum<G>(ss, red);
@@ -47,50 +55,65 @@ __global__ void __launch_bounds__(G > 256 ? G : 256)
   if (gt == 0) rstd[row] = rs;
   T* o = out + row * h;
 #pragma unroll
-  for (int i = 0; i < kMaxV; ++i) {
+  for (int i = 0; i < kRmsMaxV; ++i) {
     const int vi = gt + i * G;
     if (vi < nv) {
-      float wv[V], ov[V];
-      load_f32<T, V>(w + vi * V, wv);
+      Raw<T, V> wv;
+      wv.load(w + vi * V);
+      float ov[V];
 #pragma unroll
-      for (int j = 0; j < V; ++j) ov[j] = (xv[i][j] * rs) * wv[j];
+      for (int j = 0; j < V; ++j) ov[j] = (xv[i].get(j) * rs) * wv.get(j);
       store_f32<T, V>(o + vi * V, ov);
     }
   }
 }
 
 // dx = rstd * (g w - x * c), c = ((sum_j (g_j w_j) x_j) * rstd) * rstd / H, as the CPU kernel;
-// dw_part[chunk, i] = sum over the chunk's rows, in row order, of g * (x * rstd).
-template <typename T, int G, int kMaxV, int V>
-__global__ void __launch_bounds__(G > 256 ? G : 256)
-    rmsnorm_bwd_kernel(const T* g, const T* x, const T* w, const float* rstd, T* dx, float* dw_part,
+// dw_part[chunk, i] = sum over the chunk's rows, in row order, of g * (x * rstd). Dynamic shared
+// memory: (blockDim.x / G) * h floats.
+// Three 256-thread blocks per SM for the narrow groups: more rows in flight hide the per-row chain.
+template <typename T, int G, int V>
+__global__ void __launch_bounds__(rms_block<G>(), G <= 128 ? 3 : 1)
+    rmsnorm_bwd_kernel(const T* __restrict__ g, const T* __restrict__ x, const T* __restrict__ w,
+                       const float* __restrict__ rstd, T* __restrict__ dx, float* __restrict__ dw_part,
                        int64_t rows, int h, float inv_h) {
   __shared__ float red[32];
+  extern __shared__ float dw_smem[];
   const int gt = threadIdx.x % G;
   const int64_t chunk = static_cast<int64_t>(blockIdx.x) * (blockDim.x / G) + threadIdx.x / G;
   const int64_t chunks = (rows + kRmsChunk - 1) / kRmsChunk;
+  // This group's columns, slot (j, vi) for column vi * V + j: each slot has one owner thread, and
+  // neighbouring lanes hit neighbouring banks.
+  float* dw = dw_smem + (threadIdx.x / G) * h;
   const int nv = h / V;
-  float wv[kMaxV][V], dw[kMaxV][V];
+  Raw<T, V> wv[kRmsMaxV];
 #pragma unroll
-  for (int i = 0; i < kMaxV; ++i) {
+  for (int i = 0; i < kRmsMaxV; ++i) {
     const int vi = gt + i * G;
+    if (vi < nv) {
+      wv[i].load(w + vi * V);
 #pragma unroll
-    for (int j = 0; j < V; ++j) wv[i][j] = dw[i][j] = 0.f;
-    if (vi < nv) load_f32<T, V>(w + vi * V, wv[i]);
+      for (int j = 0; j < V; ++j) dw[j * nv + vi] = 0.f;
+    }
   }
   for (int r = 0; r < kRmsChunk; ++r) {  // same trip count in every group: group_sum syncs
     const int64_t row = chunk * kRmsChunk + r;
     const bool valid = chunk < chunks && row < rows;
-    float gv[kMaxV][V], xv[kMaxV][V];
-    float dot = 0.f;
+    Raw<T, V> gv[kRmsMaxV], xv[kRmsMaxV];
 #pragma unroll
-    for (int i = 0; i < kMaxV; ++i) {
+    for (int i = 0; i < kRmsMaxV; ++i) {
       const int vi = gt + i * G;
       if (valid && vi < nv) {
-        load_f32<T, V>(g + row * h + vi * V, gv[i]);
-        load_f32<T, V>(x + row * h + vi * V, xv[i]);
+        gv[i].load(g + row * h + vi * V);
+        xv[i].load(x + row * h + vi * V);
+      }
+    }
+    float dot = 0.f;
 #pragma unroll
-        for (int j = 0; j < V; ++j) dot = fmaf(gv[i][j] * wv[i][j], xv[i][j], dot);
+    for (int i = 0; i < kRmsMaxV; ++i) {
+      if (valid && gt + i * G < nv) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) dot = fmaf(gv[i].get(j) * wv[i].get(j), xv[i].get(j), dot);
       }
     }
     const float total = group_sum<G>(dot, red);
@@ -98,14 +121,15 @@ __global__ void __launch_bounds__(G > 256 ? G : 256)
     const float rs = rstd[row];
     const float c = ((total * rs) * rs) * inv_h;
 #pragma unroll
-    for (int i = 0; i < kMaxV; ++i) {
+    for (int i = 0; i < kRmsMaxV; ++i) {
       const int vi = gt + i * G;
       if (vi < nv) {
         float dv[V];
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          dv[j] = rs * __fsub_rn(gv[i][j] * wv[i][j], xv[i][j] * c);
-          dw[i][j] = fmaf(gv[i][j], xv[i][j] * rs, dw[i][j]);
+          const float gx = gv[i].get(j), xx = xv[i].get(j);
+          dv[j] = rs * __fsub_rn(gx * wv[i].get(j), xx * c);
+          dw[j * nv + vi] = fmaf(gx, xx * rs, dw[j * nv + vi]);
         }
         store_f32<T, V>(dx + row * h + vi * V, dv);
       }
@@ -113,23 +137,31 @@ __global__ void __launch_bounds__(G > 256 ? G : 256)
   }
   if (chunk >= chunks) return;
 #pragma unroll
-  for (int i = 0; i < kMaxV; ++i) {
+  for (int i = 0; i < kRmsMaxV; ++i) {
     const int vi = gt + i * G;
     if (vi < nv) {
 #pragma unroll
-      for (int j = 0; j < V; ++j) dw_part[chunk * h + vi * V + j] = dw[i][j];
+      for (int j = 0; j < V; ++j) dw_part[chunk * h + vi * V + j] = dw[j * nv + vi];
     }
   }
 }
 
-// dw[i] = sum of dw_part[c, i] over chunks c = 0, 1, ... in order.
-__global__ void rmsnorm_column_sum_kernel(const float* dw_part, int64_t chunks, int h, float* dw) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= h) return;
+// One level of the fixed column-sum tree: out[q, i] = sum of part[c, i] for c in [32 q, 32 q + 32)
+// in order. The launcher applies it until one row is left, so grad_weight is a fixed tree over
+// chunks (32 at a time, in order) that depends only on the number of rows.
+constexpr int kRmsFanIn = 32;
+
+__global__ void rmsnorm_column_sum_kernel(const float* __restrict__ part, int64_t n, int h,
+                                          float* __restrict__ out) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t out_rows = (n + kRmsFanIn - 1) / kRmsFanIn;
+  if (idx >= out_rows * h) return;
+  const int64_t q = idx / h;
+  const int i = static_cast<int>(idx % h);
+  const int64_t end = min(n, (q + 1) * kRmsFanIn);
   float s = 0.f;
-#pragma unroll 8
-  for (int64_t c = 0; c < chunks; ++c) s = s + dw_part[c * h + i];
-  dw[i] = s;
+  for (int64_t c = q * kRmsFanIn; c < end; ++c) s = s + part[c * h + i];
+  out[idx] = s;
 }
 
 }  // namespace rl_engine::cuda

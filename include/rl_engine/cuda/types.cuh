@@ -78,23 +78,47 @@ __device__ __forceinline__ void store_f32(T* p, const float (&v)[V]) {
   }
 }
 
-// Sum over the 32 lanes of a warp by an xor butterfly. Float addition is commutative, so every
-// lane ends with the same bits, and the tree depends only on lane indices.
-__device__ __forceinline__ float warp_sum(float v) {
+// V consecutive elements kept as loaded (one 16-byte register quad when V fills 16 bytes), so a
+// row cached between two passes costs half the registers of its fp32 values.
+template <typename T, int V, bool kWide = V * sizeof(T) == 16>
+struct Raw;
+
+template <typename T, int V>
+struct Raw<T, V, true> {
+  uint4 v;
+  __device__ __forceinline__ void load(const T* p) { v = *reinterpret_cast<const uint4*>(p); }
+  __device__ __forceinline__ float get(int i) const { return to_float(reinterpret_cast<const T*>(&v)[i]); }
+};
+
+template <typename T, int V>
+struct Raw<T, V, false> {
+  T v[V];
+  __device__ __forceinline__ void load(const T* p) {
 #pragma unroll
-  for (int o = 16; o >= 1; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    for (int i = 0; i < V; ++i) v[i] = p[i];
+  }
+  __device__ __forceinline__ float get(int i) const { return to_float(v[i]); }
+};
+
+// Sum over aligned groups of W lanes (W a power of two <= 32) by an xor butterfly. Float addition
+// is commutative, so every lane of a group ends with the same bits, and the tree depends only on
+// lane indices.
+template <int W>
+__device__ __forceinline__ float lane_sum(float v) {
+#pragma unroll
+  for (int o = W / 2; o >= 1; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
 
-// Sum over a group of G threads (G a multiple of 32, groups aligned in the block): warp butterflies,
-// then the warp totals added in warp order. Every thread of the block must call it (it holds
-// __syncthreads when G > 32); red needs blockDim.x / 32 floats.
+// Sum over a group of G threads (G a power of two, groups aligned in the block): lane butterflies,
+// then (G > 32) the warp totals added in warp order. Every thread of the block must call it (it
+// holds __syncthreads when G > 32); red needs blockDim.x / 32 floats.
 template <int G>
 __device__ __forceinline__ float group_sum(float v, float* red) {
-  v = warp_sum(v);
-  if constexpr (G == 32) {
-    return v;
+  if constexpr (G <= 32) {
+    return lane_sum<G>(v);
   } else {
+    v = lane_sum<32>(v);
     const int warp = threadIdx.x / 32;
     const int first = (threadIdx.x / G) * (G / 32);
     __syncthreads();  // earlier readers of red are done
