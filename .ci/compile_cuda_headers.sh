@@ -29,16 +29,16 @@ cudaError_t rlk_check_gemm(const rc::GemmOperands& g, __nv_bfloat16* y, float* f
   if (e == cudaSuccess) e = rc::launch_det_gemm_sm90(g, lp, 132, nullptr);
   return e == cudaSuccess ? rc::launch_det_gemm_f32(g, sf, nullptr) : e;
 }
-template __global__ void rc::rmsnorm_fwd_kernel<__nv_bfloat16, 128, 8>(
+template __global__ void rc::rlk_rmsnorm_fwd_kernel<__nv_bfloat16, 128, 8>(
     const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*, float*, int64_t, int, float, float);
-template __global__ void rc::rmsnorm_bwd_kernel<__half, 16, 1>(
+template __global__ void rc::rlk_rmsnorm_bwd_kernel<__half, 16, 1>(
     const __half*, const __half*, const __half*, const float*, __half*, float*, int64_t, int, float);
-template __global__ void rc::rope_kernel<float, 4>(const float*, const int64_t*, const float*, float,
+template __global__ void rc::rlk_rope_kernel<float, 4>(const float*, const int64_t*, const float*, float,
                                                    float*, int64_t, int, int);
-template __global__ void rc::swiglu_kernel<__nv_bfloat16, 8>(const __nv_bfloat16*, __nv_bfloat16*, int64_t, int);
-template __global__ void rc::swiglu_bwd_kernel<__half, 1>(const __half*, const __half*, __half*, int64_t, int);
-template __global__ void rc::transpose_kernel<__half>(const __half*, int64_t, int, int, __half*, int64_t, bool, bool);
-template __global__ void rc::dlogit_kernel<__nv_bfloat16>(const float*, int64_t, int64_t, int, int64_t, int64_t,
+template __global__ void rc::rlk_swiglu_kernel<__nv_bfloat16, 8>(const __nv_bfloat16*, __nv_bfloat16*, int64_t, int);
+template __global__ void rc::rlk_swiglu_bwd_kernel<__half, 1>(const __half*, const __half*, __half*, int64_t, int);
+template __global__ void rc::rlk_det_gemm_transpose_kernel<__half>(const __half*, int64_t, int, int, __half*, int64_t, bool, bool);
+template __global__ void rc::rlk_linear_logp_dlogit_kernel<__nv_bfloat16>(const float*, int64_t, int64_t, int, int64_t, int64_t,
                                                           const int64_t*, const float*, const float*, __nv_bfloat16*);
 CU
 

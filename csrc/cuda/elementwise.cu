@@ -84,7 +84,7 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm(const at::Tensor& x, const at::Tensor
       with_group(group_for(h / V, op), [&](auto grp) {
         constexpr int G = decltype(grp)::value;
         const int block = rms_block<G>(), per_block = block / G;
-        rmsnorm_fwd_kernel<T, G, V><<<(rows + per_block - 1) / per_block, block, 0,
+        rlk_rmsnorm_fwd_kernel<T, G, V><<<(rows + per_block - 1) / per_block, block, 0,
                                          at::cuda::getCurrentCUDAStream()>>>(
             reinterpret_cast<const T*>(x2.data_ptr()), reinterpret_cast<const T*>(w.data_ptr()),
             reinterpret_cast<T*>(out.data_ptr()), rstd.data_ptr<float>(), rows, static_cast<int>(h),
@@ -127,10 +127,10 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_backward(const at::Tensor& grad_out, 
         const int block = rms_block<G>(), per_block = block / G;
         const int smem = static_cast<int>(per_block * h * sizeof(float));
         if (smem > 48 * 1024) {
-          check_launch(cudaFuncSetAttribute(rmsnorm_bwd_kernel<T, G, V>,
+          check_launch(cudaFuncSetAttribute(rlk_rmsnorm_bwd_kernel<T, G, V>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem), op);
         }
-        rmsnorm_bwd_kernel<T, G, V><<<(chunks + per_block - 1) / per_block, block, smem, stream>>>(
+        rlk_rmsnorm_bwd_kernel<T, G, V><<<(chunks + per_block - 1) / per_block, block, smem, stream>>>(
             reinterpret_cast<const T*>(g2.data_ptr()), reinterpret_cast<const T*>(x2.data_ptr()),
             reinterpret_cast<const T*>(w.data_ptr()), rs.data_ptr<float>(),
             reinterpret_cast<T*>(dx.data_ptr()), part.data_ptr<float>(), rows, static_cast<int>(h),
@@ -143,7 +143,7 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_backward(const at::Tensor& grad_out, 
     for (int64_t n = chunks;;) {
       const int64_t out_rows = (n + kRmsFanIn - 1) / kRmsFanIn;
       at::Tensor next = out_rows == 1 ? dw : at::empty({out_rows, h}, dw.options());
-      rmsnorm_column_sum_kernel<<<(out_rows * h + 255) / 256, 256, 0, stream>>>(
+      rlk_rmsnorm_column_sum_kernel<<<(out_rows * h + 255) / 256, 256, 0, stream>>>(
           level.data_ptr<float>(), n, static_cast<int>(h), next.data_ptr<float>());
       check_launch(cudaGetLastError(), op);
       if (out_rows == 1) break;
@@ -178,7 +178,7 @@ at::Tensor rope_apply(const at::Tensor& x, const at::Tensor& positions, double t
       using T = decltype(tag);
       constexpr int V = decltype(vec)::value;
       const int64_t work = t * ((heads + kRopeHeads - 1) / kRopeHeads) * (d / 2 / V);
-      rope_kernel<T, V><<<(work + 255) / 256, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+      rlk_rope_kernel<T, V><<<(work + 255) / 256, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
           reinterpret_cast<const T*>(xc.data_ptr()), pos.data_ptr<int64_t>(),
           inv_freq.data_ptr<float>(), sign, reinterpret_cast<T*>(out.data_ptr()), t,
           static_cast<int>(heads), static_cast<int>(d));
@@ -213,7 +213,7 @@ at::Tensor swiglu(const at::Tensor& gate_up) {
     dispatch(gu.scalar_type(), inter, [&](auto tag, auto vec) {
       using T = decltype(tag);
       constexpr int V = decltype(vec)::value;
-      swiglu_kernel<T, V><<<blocks_for(tokens * (inter / V)), 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+      rlk_swiglu_kernel<T, V><<<blocks_for(tokens * (inter / V)), 256, 0, at::cuda::getCurrentCUDAStream()>>>(
           reinterpret_cast<const T*>(gu.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), tokens,
           static_cast<int>(inter));
     });
@@ -244,7 +244,7 @@ at::Tensor swiglu_backward(const at::Tensor& grad_out, const at::Tensor& gate_up
     dispatch(dt, inter, [&](auto tag, auto vec) {
       using T = decltype(tag);
       constexpr int V = decltype(vec)::value;
-      swiglu_bwd_kernel<T, V><<<blocks_for(tokens * (inter / V)), 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+      rlk_swiglu_bwd_kernel<T, V><<<blocks_for(tokens * (inter / V)), 256, 0, at::cuda::getCurrentCUDAStream()>>>(
           reinterpret_cast<const T*>(dy.data_ptr()), reinterpret_cast<const T*>(gu.data_ptr()),
           reinterpret_cast<T*>(grad.data_ptr()), tokens, static_cast<int>(inter));
     });

@@ -86,7 +86,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_partial(
       auto lg = logits.narrow(1, 0, vc);
       gemm_into(hf, wf.narrow(0, c0, vc), lg, std::nullopt, false, op);
       const int64_t work = t_dim * ((vc + sub - 1) / sub);
-      logits_subtile_kernel<<<(work + 255) / 256, 256, 0, stream>>>(
+      rlk_linear_logp_subtile_kernel<<<(work + 255) / 256, 256, 0, stream>>>(
           lg.data_ptr<float>(), lg.stride(0), t_dim, static_cast<int>(vc), static_cast<int>(sub),
           part_p, part_ld, c0 / sub, tgt.data_ptr<int64_t>(), vocab_start + c0,
           out_target.data_ptr<float>());
@@ -95,11 +95,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_partial(
   }
   const size_t smem = static_cast<size_t>(num_tiles + std::max<int64_t>(num_tiles / 2, 1)) * sizeof(float2);
   if (smem > 48 * 1024) {
-    check_launch(cudaFuncSetAttribute(lse_tile_tree_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    check_launch(cudaFuncSetAttribute(rlk_linear_logp_tree_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(smem)), op);
   }
   const int grid = static_cast<int>(std::min<int64_t>(t_dim, 65536));
-  lse_tile_tree_kernel<<<grid, 256, smem, stream>>>(part_p, part_ld, parts_valid,
+  rlk_linear_logp_tree_kernel<<<grid, 256, smem, stream>>>(part_p, part_ld, parts_valid,
                                                     static_cast<int>(vocab_tile / sub),
                                                     static_cast<int>(num_tiles), t_dim,
                                                     out_max.data_ptr<float>(), out_sum.data_ptr<float>());
@@ -124,7 +124,7 @@ std::tuple<at::Tensor, at::Tensor> logp_combine(const at::Tensor& max, const at:
   const int64_t t_dim = max.size(1);
   auto logp = at::empty({t_dim}, m.options()), lse = at::empty({t_dim}, m.options());
   if (t_dim == 0) return {logp, lse};
-  logp_combine_kernel<<<(t_dim + 255) / 256, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+  rlk_linear_logp_combine_kernel<<<(t_dim + 255) / 256, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
       m.data_ptr<float>(), s.data_ptr<float>(), tl.data_ptr<float>(), static_cast<int>(max.size(0)),
       t_dim, logp.data_ptr<float>(), lse.data_ptr<float>());
   check_launch(cudaGetLastError(), op);
@@ -136,7 +136,7 @@ void launch_dlogit(const at::Tensor& lg, int64_t id0, const at::Tensor& tgt, con
                    const at::Tensor& grad, at::Tensor& dl, const char* op) {
   const int64_t total = dl.numel();
   const int grid = static_cast<int>(std::min<int64_t>((total + 255) / 256, sm_count() * 16LL));
-  dlogit_kernel<T><<<grid, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+  rlk_linear_logp_dlogit_kernel<T><<<grid, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
       lg.data_ptr<float>(), lg.stride(0), lg.size(0), static_cast<int>(lg.size(1)), dl.size(1), id0,
       tgt.data_ptr<int64_t>(), lse.data_ptr<float>(), grad.data_ptr<float>(),
       reinterpret_cast<T*>(dl.data_ptr()));

@@ -46,7 +46,7 @@ __device__ __forceinline__ void gemm_tile_coords(int tile, int m_blocks, int n_b
 // 8-column block j, acc[4j + 2h + e] = C[row0 + 16 (t / 32) + (t % 32) / 4 + 8h, col0 + 8j + 2 (t % 4) + e].
 template <bool kHalf, typename Epi>
 __global__ void __launch_bounds__(gemm_cfg::kThreads, 1)
-    det_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
+    rlk_det_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                          const __grid_constant__ CUtensorMap map_b, int m, int n, int k, const Epi epi) {
   using namespace gemm_cfg;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(gemm_cfg::kThreads, 1)
 // k = 0, 1, ..., K-1 (zero terms past K), so it is batch invariant too.
 template <typename Epi>
 __global__ void __launch_bounds__(256)
-    det_gemm_f32_kernel(const float* a, int64_t lda, const float* b, int64_t ldb, int m, int n, int k,
+    rlk_det_gemm_f32_kernel(const float* a, int64_t lda, const float* b, int64_t ldb, int m, int n, int k,
                         const Epi epi) {
   __shared__ float as[16][64 + 4];
   __shared__ float bs[16][64 + 4];
@@ -259,7 +259,7 @@ cudaError_t launch_det_gemm_sm90(const GemmOperands& op, const Epi& epi, int num
   cudaError_t e = encode_tma_2d(&map_a, op.a, op.dtype, op.m, op.k, op.lda, kBM);
   if (e == cudaSuccess) e = encode_tma_2d(&map_b, op.b, op.dtype, op.n, op.k, op.ldb, kBN);
   if (e != cudaSuccess) return e;
-  auto kernel = op.dtype == DType::kF16 ? det_gemm_sm90_kernel<true, Epi> : det_gemm_sm90_kernel<false, Epi>;
+  auto kernel = op.dtype == DType::kF16 ? rlk_det_gemm_sm90_kernel<true, Epi> : rlk_det_gemm_sm90_kernel<false, Epi>;
   e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (e != cudaSuccess) return e;
   const int tiles = ((op.m + kBM - 1) / kBM) * ((op.n + kBN - 1) / kBN);
@@ -272,7 +272,7 @@ template <typename Epi>
 cudaError_t launch_det_gemm_f32(const GemmOperands& op, const Epi& epi, cudaStream_t stream) {
   if (op.m <= 0 || op.n <= 0) return cudaSuccess;
   const dim3 grid((op.n + 63) / 64, (op.m + 63) / 64);
-  det_gemm_f32_kernel<<<grid, 256, 0, stream>>>(static_cast<const float*>(op.a), op.lda,
+  rlk_det_gemm_f32_kernel<<<grid, 256, 0, stream>>>(static_cast<const float*>(op.a), op.lda,
                                                 static_cast<const float*>(op.b), op.ldb, op.m, op.n,
                                                 op.k, epi);
   return cudaGetLastError();

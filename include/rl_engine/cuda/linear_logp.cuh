@@ -3,8 +3,8 @@
 // Forward: the det_gemm main loop computes a 64 x 256 logit fragment per consumer warpgroup; the
 // LogpTileEpilogue turns it into (max, sum exp(logit - max)) of each sub-tile of `sub` columns
 // (sub = 64, 128 or 256, aligned to the shard's column 0, which is aligned to absolute vocab ids),
-// plus the target's logit. lse_tile_tree_kernel then folds the sub-tiles of each vocab tile in
-// vocab order and merges the tiles through the fixed binary tree; logp_combine_kernel merges
+// plus the target's logit. rlk_linear_logp_tree_kernel then folds the sub-tiles of each vocab tile in
+// vocab order and merges the tiles through the fixed binary tree; rlk_linear_logp_combine_kernel merges
 // shard roots through the upper levels of the same tree. Every merge is lse_merge, so a 2^k-way
 // vocab split followed by logp_combine gives the bits of the unsplit call.
 #pragma once
@@ -130,7 +130,7 @@ struct LogpTileEpilogue {
 // One block per row: fold the sub-tiles of each vocab tile in vocab order, then merge the tiles
 // pairwise level by level (ping-pong in shared memory: num_tiles * 1.5 float2).
 __global__ void __launch_bounds__(256)
-    lse_tile_tree_kernel(const float2* part, int64_t part_ld, int64_t parts_valid, int subs_per_tile,
+    rlk_linear_logp_tree_kernel(const float2* part, int64_t part_ld, int64_t parts_valid, int subs_per_tile,
                          int num_tiles, int64_t rows, float* out_max, float* out_sum) {
   extern __shared__ float2 nodes[];
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(256)
 
 // fp32 path: (max, sumexp) of sub-tiles of `sub` columns of a materialised logit chunk
 // [rows, cols] (one thread per row and sub-tile, columns in order), plus the target's logit.
-__global__ void logits_subtile_kernel(const float* logits, int64_t ld, int64_t rows, int cols, int sub,
+__global__ void rlk_linear_logp_subtile_kernel(const float* logits, int64_t ld, int64_t rows, int cols, int sub,
                                       float2* part, int64_t part_ld, int64_t part_col0,
                                       const int64_t* target, int64_t id0, float* target_logit) {
   const int nsub = (cols + sub - 1) / sub;
@@ -186,7 +186,7 @@ __global__ void logits_subtile_kernel(const float* logits, int64_t ld, int64_t r
 
 // logp[t] = target - lse, lse = m + log(s), after merging R shard roots [R, T] pairwise in shard
 // order (R a power of two, at most 64); the target logit is finite in exactly one shard.
-__global__ void logp_combine_kernel(const float* mx, const float* se, const float* tl, int r_dim,
+__global__ void rlk_linear_logp_combine_kernel(const float* mx, const float* se, const float* tl, int r_dim,
                                     int64_t t_dim, float* logp, float* lse) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= t_dim) return;
@@ -207,7 +207,7 @@ __global__ void logp_combine_kernel(const float* mx, const float* se, const floa
 // Backward: dlogit[r, c] = grad[r] * (1[id0 + c == target[r]] - exp(logit - lse[r])), rounded once
 // to Out; columns cols..ldd-1 are zero (padding for the next GEMM's 16-byte rows).
 template <typename Out>
-__global__ void dlogit_kernel(const float* logits, int64_t ld, int64_t rows, int cols, int64_t ldd,
+__global__ void rlk_linear_logp_dlogit_kernel(const float* logits, int64_t ld, int64_t rows, int cols, int64_t ldd,
                               int64_t id0, const int64_t* target, const float* lse, const float* grad,
                               Out* dl) {
   const int64_t total = rows * ldd;

@@ -8,7 +8,7 @@
 //
 // Backward: each group walks a fixed chunk of kRmsChunk rows in order, writing grad_x and adding
 // g * (x * rstd) into its own per-column slots in shared memory; the chunk partials go to memory and
-// rmsnorm_column_sum_kernel adds them, 32 consecutive ones at a time in order, level by level.
+// rlk_rmsnorm_column_sum_kernel adds them, 32 consecutive ones at a time in order, level by level.
 // grad_weight therefore sums rows through a fixed tree anchored at row 0.
 #pragma once
 
@@ -28,7 +28,7 @@ constexpr int rms_block() { return G > 256 ? G : 256; }
 
 template <typename T, int G, int V>
 __global__ void __launch_bounds__(rms_block<G>())
-    rmsnorm_fwd_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ out,
+    rlk_rmsnorm_fwd_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ out,
                        float* __restrict__ rstd, int64_t rows, int h, float inv_h, float eps) {
   __shared__ float red[32];
   const int gt = threadIdx.x % G;
@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(rms_block<G>())
 // Three 256-thread blocks per SM for the narrow groups: more rows in flight hide the per-row chain.
 template <typename T, int G, int V>
 __global__ void __launch_bounds__(rms_block<G>(), G <= 128 ? 3 : 1)
-    rmsnorm_bwd_kernel(const T* __restrict__ g, const T* __restrict__ x, const T* __restrict__ w,
+    rlk_rmsnorm_bwd_kernel(const T* __restrict__ g, const T* __restrict__ x, const T* __restrict__ w,
                        const float* __restrict__ rstd, T* __restrict__ dx, float* __restrict__ dw_part,
                        int64_t rows, int h, float inv_h) {
   __shared__ float red[32];
@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(rms_block<G>(), G <= 128 ? 3 : 1)
 // chunks (32 at a time, in order) that depends only on the number of rows.
 constexpr int kRmsFanIn = 32;
 
-__global__ void rmsnorm_column_sum_kernel(const float* __restrict__ part, int64_t n, int h,
+__global__ void rlk_rmsnorm_column_sum_kernel(const float* __restrict__ part, int64_t n, int h,
                                           float* __restrict__ out) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t out_rows = (n + kRmsFanIn - 1) / kRmsFanIn;

@@ -23,7 +23,7 @@ constexpr int kRopeBatch = 4;  // heads loaded before any is stored
 // head group, then token, so neighbouring threads touch neighbouring 16-byte pieces.
 template <typename T, int V>
 __global__ void __launch_bounds__(256, 3)
-    rope_kernel(const T* __restrict__ x, const int64_t* __restrict__ positions,
+    rlk_rope_kernel(const T* __restrict__ x, const int64_t* __restrict__ positions,
                 const float* __restrict__ inv_freq, float sign, T* __restrict__ out, int64_t tokens,
                 int heads, int d) {
   const int half = d / 2, chunks = half / V, groups = (heads + kRopeHeads - 1) / kRopeHeads;

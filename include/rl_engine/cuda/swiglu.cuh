@@ -17,7 +17,7 @@ constexpr int kSwigluItems = 2;
 // gate_up [T, 2I], out [T, I]; V divides I.
 template <typename T, int V>
 __global__ void __launch_bounds__(256)
-    swiglu_kernel(const T* __restrict__ gate_up, T* __restrict__ out, int64_t tokens, int inter) {
+    rlk_swiglu_kernel(const T* __restrict__ gate_up, T* __restrict__ out, int64_t tokens, int inter) {
   const int per_token = inter / V;
   const int64_t total = tokens * per_token, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < total;
@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(256)
 // the factors and order of the CPU kernel. grad [T, 2I].
 template <typename T, int V>
 __global__ void __launch_bounds__(256)
-    swiglu_bwd_kernel(const T* __restrict__ grad_out, const T* __restrict__ gate_up,
+    rlk_swiglu_bwd_kernel(const T* __restrict__ grad_out, const T* __restrict__ gate_up,
                       T* __restrict__ grad, int64_t tokens, int inter) {
   const int per_token = inter / V;
   const int64_t total = tokens * per_token, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;

@@ -13,7 +13,7 @@ namespace rl_engine::cuda {
 
 template <typename T>
 __global__ void __launch_bounds__(256)
-    transpose_kernel(const T* __restrict__ in, int64_t ld_in, int rows, int cols, T* __restrict__ out,
+    rlk_det_gemm_transpose_kernel(const T* __restrict__ in, int64_t ld_in, int rows, int cols, T* __restrict__ out,
                      int64_t ld_out, bool vec_in, bool vec_out) {
   __shared__ T tile[64][64 + 2];  // 33-word rows: the column gather spreads over the banks
   const int r0 = blockIdx.y * 64, c0 = blockIdx.x * 64;
@@ -63,7 +63,7 @@ cudaError_t launch_transpose(const T* in, int64_t ld_in, int rows, int cols, T* 
   const bool vec_in = reinterpret_cast<uintptr_t>(in) % 16 == 0 && (ld_in * 2) % 16 == 0;
   const bool vec_out = reinterpret_cast<uintptr_t>(out) % 16 == 0 && (ld_out * 2) % 16 == 0;
   const dim3 grid((cols + 63) / 64, (rows + 63) / 64);
-  transpose_kernel<T><<<grid, 256, 0, stream>>>(in, ld_in, rows, cols, out, ld_out, vec_in, vec_out);
+  rlk_det_gemm_transpose_kernel<T><<<grid, 256, 0, stream>>>(in, ld_in, rows, cols, out, ld_out, vec_in, vec_out);
   return cudaGetLastError();
 }
 
