@@ -27,10 +27,16 @@ _NOT_RETRIED = (1, 2)
 
 
 def submission_id_for(
-    dag_id: str, run_id: str, task_id: str, map_index: int, try_number: int
+    dag_id: str, run_id: str, task_id: str, map_index: int, try_number: int, ti_id: object = None
 ) -> str:
-    """One Ray submission id per task try, readable in the Ray dashboard, in ``[A-Za-z0-9._-]``."""
+    """One Ray submission id per task try, readable in the Ray dashboard, in ``[A-Za-z0-9._-]``.
+
+    A run deleted and created again under the same run id restarts its try numbers, and Ray refuses
+    a submission id it has seen; the task instance's own id (a new UUID per try) tells them apart.
+    """
     raw = f"{dag_id}-{run_id}-{task_id}-{map_index}-try{try_number}"
+    if ti_id is not None:
+        raw += f"-{str(ti_id).replace('-', '')[:8]}"
     return re.sub(r"[^A-Za-z0-9._-]", "_", raw)
 
 
@@ -111,7 +117,7 @@ class RayJobOperator(BaseOperator):
         ti = context["ti"]
         entrypoint = self.command()
         submission_id = submission_id_for(
-            ti.dag_id, ti.run_id, ti.task_id, ti.map_index, ti.try_number
+            ti.dag_id, ti.run_id, ti.task_id, ti.map_index, ti.try_number, getattr(ti, "id", None)
         )
         hook = RayJobHook(conn_id=self.conn_id)
         self._submission_id, self._address = submission_id, hook.address

@@ -96,6 +96,10 @@ def test_submission_id_is_one_per_try_and_sanitised():
     sid = submission_id_for("nightly", "manual__2026-01-01T00:00:00+00:00", "cells.run", 3, 2)
     assert sid == "nightly-manual__2026-01-01T00_00_00_00_00-cells.run-3-try2"
     assert re.fullmatch(r"[A-Za-z0-9._-]+", submission_id_for("d", "r/../x y", "t", -1, 1))
+    # The same run id and try created again (a deleted, re-triggered run) still gets a new id.
+    a = submission_id_for("d", "r", "t", -1, 1, "0191c0de-0000-7000-8000-000000000001")
+    b = submission_id_for("d", "r", "t", -1, 1, "0191c0df-0000-7000-8000-000000000001")
+    assert a != b and a.endswith("-try1-0191c0de")
 
 
 def test_execute_complete_maps_events_to_the_exit_code_contract():
