@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "rl_engine/cuda/attention_params.h"
+
 namespace rl_engine::cuda::attn {
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -252,31 +254,6 @@ __device__ __forceinline__ void store_rows(RowState<D>& st, float scale, const b
   }
 }
 
-struct FwdParams {
-  const void* q;   // [Tq, Hq, D]
-  const void* k;   // [Tk, Hkv, D]
-  const void* v;
-  void* out;       // [Tq, Hq, D]
-  float* lse;      // [Tq, Hq]
-  const int32_t* cu_q;
-  const int32_t* cu_k;
-  const int64_t* pos;
-  int batch, hq, hkv;
-  float scale, scale_log2;
-};
-
-struct DecodeParams {
-  const void* q;        // [B, Hq, D]
-  const void* k_cache;  // [num_pages, page_size, Hkv, D]
-  const void* v_cache;
-  const int32_t* block_table;  // [B, max_pages]
-  const int32_t* seq_lens;     // [B]
-  void* out;                   // [B, Hq, D]
-  float* lse;                  // [B, Hq]
-  int hq, hkv, page_size, max_pages, num_pages;
-  float scale, scale_log2;
-};
-
 // Finds tile `idx` of `rows_per_tile`-row tiles cut per sequence from cu[0..batch]; returns false
 // when idx is past the last tile.
 __device__ __forceinline__ bool find_tile(const int32_t* cu, int batch, int rows_per_tile, int idx,
@@ -331,7 +308,7 @@ __device__ __forceinline__ void kv_walk(RowState<D>& st, const uint32_t (&qf)[D 
 }
 
 constexpr int kFwdWarps = 8;
-constexpr int kFwdRows = 16 * kFwdWarps;
+static_assert(kFwdRows == 16 * kFwdWarps, "one warp per 16 query rows");
 
 template <int D, int BN>
 constexpr int fwd_smem_bytes() {
@@ -404,7 +381,8 @@ __global__ void __launch_bounds__(kFwdWarps * 32, 1) rlk_attention_fwd_kernel(Fw
       lane);
 }
 
-constexpr int kDecWarps = 4;  // up to 64 q heads per kv head (16 per warp)
+constexpr int kDecWarps = 4;
+static_assert(kDecodeMaxGroup == 16 * kDecWarps, "one warp per 16 query heads");
 
 template <int BN>
 constexpr int decode_stages() {
@@ -449,18 +427,28 @@ __global__ void __launch_bounds__(kDecWarps * 32) rlk_attention_decode_kernel(De
   RowState<D> st;
   st.init();
   const int nblocks = t < 0 ? 0 : t / BN + 1;
+  // The pages of the keys this thread copies are looked up once per block for K and V together,
+  // as independent loads issued back to back (not one dependent lookup per 16-byte copy).
   auto load = [&](int j, uint32_t kt, uint32_t vt) {
-    auto row = [&](const T* cache) {
-      return [=](int r) {
-        const int key = j * BN + r;
-        const int page = key < len ? pages[key / p.page_size] : -1;
-        return page >= 0 && page < p.num_pages
-                   ? cache + (((int64_t)page * p.page_size + key % p.page_size) * p.hkv + g) * D
-                   : nullptr;
-      };
-    };
-    load_tile<D>(kt, BN, row(kc), kc, tid, kDecWarps * 32);
-    load_tile<D>(vt, BN, row(vc), vc, tid, kDecWarps * 32);
+    constexpr int kChunks = D / 8, kRowsPerPass = kDecWarps * 32 / kChunks;
+    static_assert((kDecWarps * 32) % kChunks == 0 && BN % kRowsPerPass == 0, "copy layout");
+    constexpr int kPasses = BN / kRowsPerPass;
+    const int c = tid % kChunks, r0 = tid / kChunks;
+    int64_t off[kPasses];
+#pragma unroll
+    for (int m = 0; m < kPasses; ++m) {
+      const int key = j * BN + r0 + m * kRowsPerPass;
+      const int page = key < len ? pages[key / p.page_size] : -1;
+      off[m] = page >= 0 && page < p.num_pages
+                   ? (((int64_t)page * p.page_size + key % p.page_size) * p.hkv + g) * D + c * 8
+                   : -1;
+    }
+#pragma unroll
+    for (int m = 0; m < kPasses; ++m) {
+      const uint32_t dst = ((r0 + m * kRowsPerPass) * kStride<D> + c * 8) * 2;
+      cp_async16(kt + dst, off[m] >= 0 ? kc + off[m] : kc, off[m] >= 0);
+      cp_async16(vt + dst, off[m] >= 0 ? vc + off[m] : vc, off[m] >= 0);
+    }
   };
   kv_walk<T, D, BN, decode_stages<BN>()>(st, qf, smem, nblocks, t, active, pos, len, p.scale_log2,
                                          lane, load);

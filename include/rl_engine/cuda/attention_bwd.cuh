@@ -14,23 +14,6 @@
 
 namespace rl_engine::cuda::attn {
 
-struct BwdParams {
-  const void* dout;  // [Tq, Hq, D]
-  const void* q;
-  const void* k;     // [Tk, Hkv, D]
-  const void* v;
-  const float* lse;    // [Tq, Hq]
-  const float* delta;  // [Tq, Hq]
-  void* dq;            // [Tq, Hq, D]
-  float* dk;           // [Tk, Hkv, D]
-  float* dv;
-  const int32_t* cu_q;
-  const int32_t* cu_k;
-  const int64_t* pos;
-  int batch, hq, hkv, q_chunk;
-  float scale, scale_log2;
-};
-
 template <typename T, int D>
 __global__ void __launch_bounds__(256) rlk_attention_bwd_delta_kernel(const T* dout, const T* out,
                                                                       float* delta, int64_t n) {
@@ -49,8 +32,7 @@ __global__ void __launch_bounds__(256) rlk_attention_bwd_delta_kernel(const T* d
 }
 
 constexpr int kBwdWarps = 4;
-constexpr int kDqRows = 16 * kBwdWarps;  // query rows per dq CTA
-constexpr int kDkvKeys = 16 * kBwdWarps;  // key rows per dk/dv CTA
+static_assert(kDqRows == 16 * kBwdWarps && kDkvKeys == 16 * kBwdWarps, "one warp per 16 rows");
 constexpr int kStepRows = 32;            // query rows per dk/dv step
 
 template <int D>
