@@ -155,4 +155,4 @@ def launch_ray(fn: Callable[..., Any], world: int, *, args: tuple = (), timeout:
     finally:
         for a in actors:
             ray.kill(a, no_restart=True)
-        pass
+        remove_placement_group(pg)
