@@ -9,6 +9,7 @@ happened. Nothing is installed here: ``make demo`` installs first.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from datetime import datetime
@@ -17,7 +18,7 @@ from typing import Any
 
 from rl_engine import envs, errors
 from rl_engine.console import console as make_console
-from rl_engine.artifacts import ids
+from rl_engine.artifacts import files, ids
 from rl_engine.stack import airflow_home, ray_head
 
 DAG_ID = "rlk_matrix"
@@ -81,6 +82,39 @@ def matrix_root_of(run_id: str) -> Path:
     return Path(os.environ["RLK_MATRIX_ROOT"]) / ids.sanitize(run_id)
 
 
+def overheads(dag_run, report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per cell: the Airflow task's wall time, the cell's own `rlk run` time (from the report), and
+    their difference, the cost of Airflow + Ray (submission, scheduling, job start, log streaming)."""
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.utils.session import create_session
+
+    own = {c["cell"]: c["latest"].get("duration_s") for c in report.get("cells", [])}
+    rows = []
+    with create_session() as session:
+        tis = session.query(TaskInstance).filter(TaskInstance.dag_id == DAG_ID,
+                                                 TaskInstance.run_id == dag_run.run_id)
+        for ti in tis:
+            if ti.task_id not in ("control", "cell") or ti.start_date is None or ti.end_date is None:
+                continue
+            cell = "control" if ti.task_id == "control" else ti.rendered_map_index
+            task_s = (ti.end_date - ti.start_date).total_seconds()
+            cell_s = own.get(cell)
+            rows.append({"cell": cell, "task_s": round(task_s, 3), "cell_s": cell_s,
+                         "overhead_s": None if cell_s is None else round(task_s - cell_s, 3)})
+    return sorted(rows, key=lambda r: str(r["cell"]))
+
+
+def _print_overheads(rows: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    table = Table(title="Airflow + Ray overhead per cell (task wall time minus the cell's own run)")
+    for col in ("cell", "task s", "rlk run s", "overhead s"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["cell"]), str(r["task_s"]), str(r["cell_s"]), str(r["overhead_s"]))
+    console.print(table)
+
+
 def run(*, workload: str = "ci", cells: list[str] | None = None, launcher: str = "ray",
         num_cpus: int = DEFAULT_NUM_CPUS, state_dir: Path | None = None,
         matrix_base: Path | None = None) -> int:
@@ -96,7 +130,11 @@ def run(*, workload: str = "ci", cells: list[str] | None = None, launcher: str =
         console.print(f"running DAG {DAG_ID} with {conf}", highlight=False)
         dag_run = trigger(conf)
         root = matrix_root_of(dag_run.run_id)
-    report = root / "matrix-report.json"
+        report = root / "matrix-report.json"
+        if report.is_file():
+            rows = overheads(dag_run, json.loads(report.read_text()))
+            files.write_json(root / "overhead.json", {"dag_run_id": dag_run.run_id, "cells": rows})
+            _print_overheads(rows)
     console.print(f"DAG run {dag_run.run_id}: {dag_run.state}", highlight=False)
     if not report.is_file():
         console.print(f"[red]no report[/] at {report}; see the task logs above", highlight=False)
