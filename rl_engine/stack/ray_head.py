@@ -18,7 +18,6 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +26,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+from rl_engine.stack import pids
 
 PORT_FLAGS = (
     "port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
@@ -97,48 +98,17 @@ class RayHead:
         return self._root() is not None
 
     def _root(self) -> psutil.Process | None:
-        try:
-            proc = psutil.Process(self.pid)
-            if abs(proc.create_time() - self.create_time) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE:
-                return proc
-        except psutil.Error:
-            pass
-        return None
+        return pids.leader(self.pid, self.create_time)
 
     def processes(self) -> list[psutil.Process]:
-        """The head's process tree, plus processes it started that were re-parented since: those
-        of its session (it is a session leader) or naming its temp folder, started after it."""
-        procs: dict[int, psutil.Process] = {}
-        root = self._root()
-        if root is not None:
-            procs[root.pid] = root
-            try:
-                procs.update((p.pid, p) for p in root.children(recursive=True))
-            except psutil.Error:
-                pass
-        for p in psutil.process_iter(["cmdline", "create_time"]):
-            try:
-                if p.info["create_time"] < self.create_time - 1.0:
-                    continue
-                named = any(self.temp_dir in arg for arg in (p.info["cmdline"] or []))
-                if named or (root is not None and os.getsid(p.pid) == self.pid):
-                    procs.setdefault(p.pid, p)
-            except (psutil.Error, OSError):
-                continue
-        procs.pop(os.getpid(), None)
-        return list(procs.values())
+        """The head's process tree, plus processes it started that were re-parented since."""
+        return pids.started_by(self.pid, self.create_time, marker=self.temp_dir)
 
     def stop(self, *, remove_temp_dir: bool = True) -> None:
         """Kill every process the head started; leaves every other Ray on the machine alone."""
         # SIGKILL, not SIGTERM: a terminated head drains for up to 30 s, and nothing in the embedded
         # head is worth draining (jobs' evidence is on disk, written atomically).
-        procs = self.processes()
-        for p in procs:
-            try:
-                p.send_signal(signal.SIGKILL)
-            except psutil.Error:
-                pass
-        psutil.wait_procs(procs, timeout=15)
+        pids.kill(self.processes())
         if remove_temp_dir and self.owns_temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
 

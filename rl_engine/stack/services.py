@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from rl_engine.stack import airflow_home, ray_head
+from rl_engine.stack import airflow_home, pids, ray_head
 
 # Every process of this home runs on this machine and shares its log folder, so the UI reads task
 # and trigger logs from disk: the log servers (bound to every interface, not configurable) stay off.
@@ -49,32 +49,13 @@ class Service:
     log: str
 
     def leader(self) -> psutil.Process | None:
-        try:
-            proc = psutil.Process(self.pid)
-            if abs(proc.create_time() - self.create_time) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE:
-                return proc
-        except psutil.Error:
-            pass
-        return None
+        return pids.leader(self.pid, self.create_time)
 
     def processes(self) -> list[psutil.Process]:
         """The leader, its descendants, and re-parented members of its session started after it."""
-        leader = self.leader()
-        if leader is None:
+        if self.leader() is None:
             return []
-        procs = {leader.pid: leader}
-        try:
-            procs.update((p.pid, p) for p in leader.children(recursive=True))
-        except psutil.Error:
-            pass
-        for p in psutil.process_iter(["create_time"]):
-            try:
-                if p.info["create_time"] >= self.create_time - 1.0 and os.getsid(p.pid) == self.pid:
-                    procs.setdefault(p.pid, p)
-            except (psutil.Error, OSError):
-                continue
-        procs.pop(os.getpid(), None)
-        return list(procs.values())
+        return pids.started_by(self.pid, self.create_time)
 
 
 def _run_dir(state_dir: Path) -> Path:
