@@ -40,6 +40,9 @@ template __global__ void rc::rlk_swiglu_bwd_kernel<__half, 1>(const __half*, con
 template __global__ void rc::rlk_det_gemm_transpose_kernel<__half>(const __half*, int64_t, int, int, __half*, int64_t, bool, bool);
 template __global__ void rc::rlk_linear_logp_dlogit_kernel<__nv_bfloat16>(const float*, int64_t, int64_t, int, int64_t, int64_t,
                                                           const int64_t*, const float*, const float*, __nv_bfloat16*);
+template cudaError_t rc::launch_rank_order_sum<__nv_bfloat16, 8>(const __nv_bfloat16*, int64_t, int64_t, float*, int, cudaStream_t);
+template cudaError_t rc::launch_rank_order_sum<__half, 1>(const __half*, int64_t, int64_t, float*, int, cudaStream_t);
+template cudaError_t rc::launch_rank_order_sum<float, 4>(const float*, int64_t, int64_t, float*, int, cudaStream_t);
 CU
 
 "$NVCC" --version | tail -n 1

@@ -1,9 +1,10 @@
 """Fixed-order collectives over a torch.distributed process group.
 
 The R collectives sum in rank order 0..N-1 in fp32 at every message size, so every rank gets the
-same bits and the bits do not depend on the transport's algorithm choice. On the CPU the payload
-is exchanged by gloo's all-gather (transport `cpu_ag_rs`) and summed by the extension's
-rank_order_sum kernel. The production twins are the process group's native collectives.
+same bits and the bits do not depend on the transport's algorithm choice. The payload is exchanged
+by the group's all-gather, which only moves bytes (gloo on the CPU: transport `cpu_ag_rs`; NCCL on
+CUDA: `cuda_ag_rs`), and summed by the extension's rank_order_sum kernel on the tensors' device.
+The production twins are the process group's native collectives.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ CALLS: collections.Counter[str] = collections.Counter()
 
 
 def _device_tag(x: torch.Tensor) -> str:
-    return "cuda_ipc" if x.is_cuda else "cpu"
+    # "cuda", not "cuda_ipc": on CUDA the payload still moves by NCCL's all-gather; only the sum is
+    # rl_engine's kernel.
+    return "cuda" if x.is_cuda else "cpu"
 
 
 def backend_id(kind: str, x: torch.Tensor, fixed: bool) -> str:
@@ -31,8 +34,9 @@ def backend_id(kind: str, x: torch.Tensor, fixed: bool) -> str:
 
 def _gather_list(x: torch.Tensor, group) -> list[torch.Tensor]:
     world = dist.get_world_size(group)
+    x = x.contiguous()  # NCCL sends and receives dense row-major buffers only
     parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    dist.all_gather(parts, x, group=group)
     return parts
 
 
@@ -50,7 +54,7 @@ def all_reduce(x: torch.Tensor, group, *, fixed: bool = True) -> torch.Tensor:
     if dist.get_world_size(group) == 1:
         return x
     if not fixed:
-        out = x.clone()
+        out = x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(out, group=group)
         return out
     parts = torch.stack(_gather_list(x, group))

@@ -3,6 +3,11 @@
 Ranks are local processes (default) or Ray actors (RLK_LAUNCHER=ray). A rank that fails fails the
 whole group promptly with that rank's error (WorkerFailed, exit code 3); a parent killed with
 SIGKILL leaves no worker behind (each worker asks the kernel for SIGKILL when its parent dies).
+
+On the CPU the ranks form a gloo group. On CUDA each rank owns one GPU (local rank modulo the
+visible GPUs) and the group has two backends: NCCL for CUDA tensors, gloo for CPU tensors and
+object collectives. What a rank returns is moved to the CPU before it leaves the rank, so no CUDA
+tensor crosses processes.
 """
 
 from __future__ import annotations
@@ -19,6 +24,12 @@ import traceback
 from typing import Any, Callable
 
 from rl_engine import envs
+
+DEVICES: tuple[str, ...] = ("cpu", "cuda")
+# Every CUDA rank runs without NVLink SHARP multicast: its in-switch reductions do not add in a
+# fixed order, and its multicast objects need a fabric setup that shared machines often lack.
+CUDA_ENV: dict[str, str] = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                            "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 class WorkerFailed(RuntimeError):
@@ -39,6 +50,58 @@ def _die_with_parent() -> None:
         pass
 
 
+def check_devices(world: int, device: str) -> None:
+    """Refuses a launch the machine cannot hold (ValueError, exit code 2): on CUDA every rank needs
+    a GPU of its own, since NCCL refuses two ranks of one communicator on one GPU."""
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r}: use cpu or cuda")
+    if device != "cuda":
+        return
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible == 0:
+        raise ValueError("device cuda: no CUDA device is visible; use --device cpu")
+    if world > visible:
+        raise ValueError(f"world {world} needs {world} GPUs, {visible} visible; lower TP/CP or use "
+                         "more GPUs")
+
+
+def init_rank(rank: int, world: int, init_method: str, device: str, local_rank: int) -> None:
+    """Joins this process to the group as `rank`; on CUDA it first takes its GPU."""
+    import torch
+    import torch.distributed as dist
+
+    if device == "cuda":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+
+
+def rank_device(device: str):
+    """The torch device of this rank's tensors: the GPU the launcher gave it, or the CPU."""
+    import torch
+
+    if device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def to_cpu(value: Any) -> Any:
+    """value with every CUDA tensor inside its dicts, lists and tuples moved to the CPU."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.cpu() if value.device.type != "cpu" else value
+    if type(value) is dict:
+        return {k: to_cpu(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(to_cpu(v) for v in value)
+    return value
+
+
 def _log_to_run_log() -> None:
     """Workers append their log lines (route lines among them) to the run's run.log."""
     import logging
@@ -51,17 +114,21 @@ def _log_to_run_log() -> None:
         logging.getLogger().setLevel(logging.INFO)
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results) -> None:
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results,
+            device: str = "cpu") -> None:
     _die_with_parent()
+    if device == "cuda":
+        os.environ.update(CUDA_ENV)  # before NCCL reads its settings
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     _log_to_run_log()
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world)
+        init_rank(rank, world, f"tcp://127.0.0.1:{port}", device, local_rank=rank)
         out = fn(rank, world, *args)
+        if device == "cuda":
+            out = to_cpu(out)
         # Plain pickle bytes: the queue's own pickler would pass tensor storage as a file
         # descriptor that dies with this process before the parent reads it.
         results.put((rank, "ok", pickle.dumps(out)))
@@ -73,21 +140,29 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
             dist.destroy_process_group()
 
 
-def launch(fn: Callable[..., Any], world: int, *, args: tuple = (), timeout: float | None = None) -> list[Any]:
-    """Runs fn(rank, world, *args) on `world` ranks; returns their results in rank order."""
+def launch(fn: Callable[..., Any], world: int, *, args: tuple = (), timeout: float | None = None,
+           device: str = "cpu") -> list[Any]:
+    """Runs fn(rank, world, *args) on `world` ranks on `device` (cpu or cuda); returns their
+    results in rank order."""
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r}: use cpu or cuda")
     if envs.RLK_LAUNCHER == "ray":
         from rl_engine.engines.ray_launch import launch_ray
 
-        return launch_ray(fn, world, args=args, timeout=timeout)
-    return _launch_local(fn, world, args=args, timeout=timeout)
+        if device == "cpu":
+            return launch_ray(fn, world, args=args, timeout=timeout)
+        return launch_ray(fn, world, args=args, timeout=timeout, gpus_per_rank=1, device=device)
+    check_devices(world, device)
+    return _launch_local(fn, world, args=args, timeout=timeout, device=device)
 
 
-def _launch_local(fn, world: int, *, args: tuple, timeout: float | None) -> list[Any]:
+def _launch_local(fn, world: int, *, args: tuple, timeout: float | None,
+                  device: str = "cpu") -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results), daemon=True)
-             for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results, device),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}

@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable
 
 from rl_engine import envs
-from rl_engine.engines.launch import WorkerFailed
+from rl_engine.engines.launch import CUDA_ENV, WorkerFailed
 from rl_engine.errors import BadInput, InfrastructureError
 
 # Settings of the launching process that its ranks need too (actors start with the cluster's
@@ -77,17 +77,20 @@ def _rank_actor_class():
             return free_port()
 
         def run(self, rank: int, world: int, init: str, fn: Callable, args: tuple,
-                env: dict[str, str]) -> Any:
+                env: dict[str, str], device: str = "cpu") -> Any:
             import torch
             import torch.distributed as dist
 
-            from rl_engine.engines.launch import _log_to_run_log
+            from rl_engine.engines.launch import _log_to_run_log, init_rank, to_cpu
 
             os.environ.update(env)
             torch.set_num_threads(1)
             _log_to_run_log()
-            dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+            # Ray shows a GPU actor only its own GPU(s), so local rank 0 is the right one.
+            init_rank(rank, world, init, device, local_rank=0)
             out = fn(rank, world, *args)
+            if device == "cuda":
+                out = to_cpu(out)
             # Only on success: a failed rank keeps its connections open until the launcher kills
             # it, so its peers do not fail first on a closed connection and hide the cause.
             dist.destroy_process_group()
@@ -106,7 +109,7 @@ def _failure(exc: Exception) -> str:
 
 
 def launch_ray(fn: Callable[..., Any], world: int, *, args: tuple = (), timeout: float | None = None,
-               gpus_per_rank: float = 0) -> list[Any]:
+               gpus_per_rank: float = 0, device: str = "cpu") -> list[Any]:
     if "ray" not in sys.modules or not sys.modules["ray"].is_initialized():
         _join(cluster_address())  # before any ray import of ours: see _join
     import ray
@@ -134,7 +137,9 @@ def launch_ray(fn: Callable[..., Any], world: int, *, args: tuple = (), timeout:
             raise WorkerFailed(f"rank 0 of {world} did not start: {_failure(exc)}") from None
         init = f"tcp://{host}:{port}"
         env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-        refs = [a.run.remote(r, world, init, fn, args, env) for r, a in enumerate(actors)]
+        if device == "cuda":
+            env.update(CUDA_ENV)
+        refs = [a.run.remote(r, world, init, fn, args, env, device) for r, a in enumerate(actors)]
         results: dict[int, Any] = {}
         pending = dict(zip(refs, range(world)))
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -35,7 +35,9 @@ class Qwen3(nn.Module):
         start, stop, _ = logp_ops.shard_range(c.vocab_size, tp.rank, tp.size)
         self.vocab_start, self.vocab_stop = start, stop
         d, h = c.head_dim, c.hidden_size
-        p = lambda *shape: nn.Parameter(torch.empty(*shape, dtype=dt))  # noqa: E731
+        # The weights live on the router's device, where every routed op of this shard runs.
+        dev = router.device
+        p = lambda *shape: nn.Parameter(torch.empty(*shape, dtype=dt, device=dev))  # noqa: E731
         self.embed = p(c.vocab_size, h)
         self.layers = nn.ModuleList()
         for _ in range(c.num_hidden_layers):

@@ -1,7 +1,8 @@
 """`rlk preflight`: is this checkout able to run the plan's R routes, before any real work?
 
 Each check yields one line; the first failure stops the walk with its exit code (2: the build or the
-plan must change; 3: the probe itself broke) and the fix.
+plan must change; 3: the probe itself broke) and the fix. `require` is the same walk without the
+probe, raising instead of yielding: what a step runs before it launches any rank.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Iterator
 
 import torch
 
+from rl_engine.errors import BadInput
 from rl_engine.runtime import requirements
 from rl_engine.runtime.plan import MODULES, SIDES, Plan
 
@@ -56,6 +58,26 @@ def _probe(plan: Plan, side: str, device: torch.device) -> dict[str, dict]:
     hidden = router.rmsnorm("logp", x, rnd(h), 1e-6)
     router.selected_logp("logp", hidden, rnd(300, h), torch.arange(t, device=device))
     return {m: router.records[m].as_dict() for m in MODULES}
+
+
+def require(plan: Plan, device: str = "cpu") -> None:
+    """Raises (exit code 2) when a strict R route of the plan cannot run on device: no GPU visible,
+    a GPU that is not Hopper, kernels not built. Launches nothing, so a step fails at once instead
+    of in each of its workers."""
+    from rl_engine.runtime.routing import RouteUnavailable
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BadInput("--device cuda: no CUDA device is visible; use --device cpu")
+    if plan.mode != "strict":
+        return  # audit: a route that cannot run falls back, and its readback says so
+    for side in SIDES:
+        for module in MODULES:
+            if plan.impl(module, side) == "R":
+                reason = requirements.missing(module, side, dev)
+                if reason is not None:
+                    raise RouteUnavailable(f"strict {side} route of module {module} cannot run "
+                                           f"on {dev.type}: {reason}")
 
 
 def run(plan: Plan, device: str = "cpu") -> Iterator[Check]:

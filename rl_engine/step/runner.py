@@ -19,7 +19,8 @@ from rl_engine.artifacts import files, manifest
 from rl_engine.artifacts.run_dir import RunDir
 from rl_engine.models.unshard import state_checksum
 from rl_engine.engines.rollout.worker import RolloutJob, run_rollout
-from rl_engine.errors import InfrastructureError
+from rl_engine.errors import BadInput, InfrastructureError
+from rl_engine.runtime import preflight
 from rl_engine.runtime.plan import Plan
 from rl_engine.step.config import StepConfig
 from rl_engine.step.inputs import Inputs
@@ -63,9 +64,9 @@ def _train(plan: Plan, config: StepConfig, inputs: Inputs, state, samples, run: 
         samples=[TrainSample(prompt=tuple(s.prompt), response=tuple(s.tokens),
                              rollout_logp=s.logprobs, group=s.prompt_index) for s in samples],
         config=TrainConfig(tp=config.tp, cp=config.cp, dp=config.dp,
-                           max_tokens_per_gpu=config.max_tokens_per_gpu),
+                           max_tokens_per_gpu=config.max_tokens_per_gpu, device=config.device),
         run_dir=run.root, run_id=run_id, step=step, trace_dir=run.trace if trace else None)
-    results = launch(train_step_worker, config.actor_gpus, args=(job,))
+    results = launch(train_step_worker, config.actor_gpus, args=(job,), device=config.device)
     sums = {r["checksum"] for r in results}
     if len(sums) != 1:
         raise InfrastructureError(f"trainer ranks disagree on the updated weights at step {step}")
@@ -104,10 +105,29 @@ def _write_train_data(run: RunDir, run_id: str, rollout_id: str, step: int, samp
                        max_abs_diff=max_diff)
 
 
+def check_device(plan: Plan, config: StepConfig) -> None:
+    """Before any rank starts: the plan's strict R routes can run on the device (what `rlk
+    preflight --device` checks), and on CUDA each rank of the larger launch gets a GPU of its own.
+    Under the Ray launcher the ranks run on the cluster's machines, not this one, so their own
+    routers check (strictly, before any work) and Ray's placement finds their GPUs."""
+    from rl_engine import envs
+    from rl_engine.engines.launch import check_devices
+
+    if envs.RLK_LAUNCHER == "ray":
+        return
+    try:
+        check_devices(max(config.actor_gpus, config.rollout_gpus), config.device)
+    except ValueError as exc:
+        raise BadInput(f"ACTOR_GPUS={config.actor_gpus}, ROLLOUT_GPUS={config.rollout_gpus}: "
+                       f"{exc}") from None
+    preflight.require(plan, config.device)
+
+
 def run_steps(*, plan: Plan, config: StepConfig, inputs: Inputs, run: RunDir, run_id: str,
               trace: bool = False, on_phase: Callable[[str], None] = lambda _: None) -> list[StepFigures]:
     import time
 
+    check_device(plan, config)
     man = manifest.build(run_id=run_id, plan=plan.as_dict(), layout=config.as_dict(),
                          inputs=inputs.files())
     manifest.write(run.manifest, man)
@@ -121,7 +141,8 @@ def run_steps(*, plan: Plan, config: StepConfig, inputs: Inputs, run: RunDir, ru
                          n_samples=config.n_samples_per_prompt, max_new_tokens=config.max_response_len,
                          seed=config.seed + 1000 * step, engines=config.engines,
                          tp=config.rollout_gpus_per_engine, run_dir=run.root, run_id=run_id,
-                         trace_dir=run.trace if trace else None, extra={"step": step})
+                         trace_dir=run.trace if trace else None, device=config.device,
+                         extra={"step": step})
         samples, results = run_rollout(job)
         want = state_checksum(state)
         synced = {r["weights_checksum"] for r in results}

@@ -2,7 +2,7 @@
 
 Each rank builds its trainer shard, recomputes the log-probs of the rollout's tokens, takes the
 GRPO step and writes its own readback; rank 0 also returns the updated full weights (the weight
-sync payload) and their checksum.
+sync payload) and their checksum. Everything returned is on the CPU, whatever the rank's device.
 """
 
 from __future__ import annotations
@@ -46,6 +46,6 @@ def train_step_worker(rank: int, world: int, job: TrainStep) -> dict[str, Any]:
     out: dict[str, Any] = {"rank": rank, "loss": result.loss, "rewards": result.rewards,
                            "checksum": trainer.checksum()}
     if rank == 0:
-        out["logps"] = [t.float() for t in result.logps]
-        out["state"] = state
+        out["logps"] = [t.float().cpu() for t in result.logps]
+        out["state"] = {name: t.cpu() for name, t in state.items()}
     return out

@@ -50,7 +50,10 @@ def full_logits(hidden: torch.Tensor, lm_head: torch.Tensor, *, vocab: int,
 
 
 def gumbel_max(logits: torch.Tensor, seed: int) -> int:
-    """argmax(logits + Gumbel noise): an exact sample of softmax(logits) at temperature 1."""
+    """argmax(logits + Gumbel noise): an exact sample of softmax(logits) at temperature 1.
+
+    The generator lives on the logits' device (a CUDA generator on a GPU) and takes the same seed
+    on every device; the seed never depends on the device, the noise drawn from it does."""
     gen = torch.Generator(device=logits.device).manual_seed(seed)
     u = torch.rand(logits.shape, generator=gen, device=logits.device, dtype=torch.float64)
     noise = -torch.log(-torch.log(u.clamp_min(torch.finfo(torch.float64).tiny)))

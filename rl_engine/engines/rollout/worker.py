@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rl_engine.engines.launch import launch
+from rl_engine.engines.launch import DEVICES, launch, rank_device
 from rl_engine.engines.rollout.engine import RolloutEngine, Sample, all_requests
 from rl_engine.engines.rollout.kv_cache import POLICIES
 from rl_engine.models.config import Qwen3Config
@@ -41,6 +41,7 @@ class RolloutJob:
     run_dir: Path | None = None      # where readbacks go (with run_id); None writes none
     run_id: str | None = None
     trace_dir: Path | None = None    # record a torch.profiler trace of each rank there
+    device: str = "cpu"              # cpu, or cuda: one GPU per rank
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -53,6 +54,8 @@ class RolloutJob:
             raise ValueError(f"page_policy={self.page_policy!r}; use one of {', '.join(POLICIES)}")
         if (self.run_dir is None) != (self.run_id is None):
             raise ValueError("run_dir and run_id go together")
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r}; use one of {', '.join(DEVICES)}")
         self.config.check_tp(self.tp)
 
     @property
@@ -78,7 +81,7 @@ def rollout_worker(rank: int, world: int, job: RolloutJob) -> dict[str, Any]:
         raise ValueError(f"launched {world} ranks for {job.engines} engines x TP {job.tp}")
     engine_index = rank // job.tp
     tp = _tp_group(rank, job)  # every rank creates every group, in the same order
-    router = Router(job.plan, side="rollout", engine="builtin")
+    router = Router(job.plan, side="rollout", engine="builtin", device=rank_device(job.device))
     model = Qwen3(job.config, router, tp)
     engine = RolloutEngine(model, router, tp, max_batch=job.max_batch, page_policy=job.page_policy)
     engine.load_weights(job.state)
@@ -99,7 +102,7 @@ def run_rollout(job: RolloutJob, *,
                 timeout: float | None = None) -> tuple[list[Sample], list[dict]]:
     """Runs the job's ranks; returns every sample in prompt-major order and each rank's result.
     The TP ranks of an engine must agree on every token and log-prob bit."""
-    results = launch(rollout_worker, job.world, args=(job,), timeout=timeout)
+    results = launch(rollout_worker, job.world, args=(job,), timeout=timeout, device=job.device)
     merged: dict[tuple[int, int], dict] = {}
     for res in results:
         for s in res["samples"]:

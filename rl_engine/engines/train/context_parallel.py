@@ -34,14 +34,17 @@ class RowExchange:
     """Where the rows of a micro-batch live: owned[r] lists the global row ids CP rank r holds (in
     its local order); gather() returns the rows listed in `order`, on every rank."""
 
-    def __init__(self, owned: list[torch.Tensor], order: torch.Tensor, rank: int, group):
+    def __init__(self, owned: list[torch.Tensor], order: torch.Tensor, rank: int, group,
+                 device: torch.device | str = "cpu"):
         self.rank, self.group = rank, group
         self.width = max(1, max(int(o.numel()) for o in owned))
         slot = {g: r * self.width + i
                 for r, ids in enumerate(owned) for i, g in enumerate(ids.tolist())}
         place = {g: i for i, g in enumerate(order.tolist())}
-        self.index = torch.tensor([slot[g] for g in order.tolist()], dtype=torch.long)
-        self.mine = torch.tensor([place[g] for g in owned[rank].tolist()], dtype=torch.long)
+        self.index = torch.tensor([slot[g] for g in order.tolist()], dtype=torch.long,
+                                  device=device)
+        self.mine = torch.tensor([place[g] for g in owned[rank].tolist()], dtype=torch.long,
+                                 device=device)
 
     def gather(self, x: torch.Tensor, router: Router, module: str) -> torch.Tensor:
         pad = x.new_zeros((self.width - x.shape[0], *x.shape[1:]))
@@ -70,7 +73,8 @@ class PackedAttention:
 
     def __init__(self, router: Router, mb: MicroBatch, scale: float):
         self.router, self.scale = router, scale
-        self.cu, self.positions = mb.cu_seqlens(), mb.positions(0)
+        dev = router.device
+        self.cu, self.positions = mb.cu_seqlens().to(dev), mb.positions(0).to(dev)
         router.note("attention", "cp_query_rows", int(self.positions.numel()))
 
     def attend(self, layer, q, k, v):
@@ -84,8 +88,12 @@ class ContextParallelAttention:
     def __init__(self, router: Router, mb: MicroBatch, exchange: RowExchange, scale: float):
         rank, cp, block = exchange.rank, mb.cp, mb.block
         self.router, self.exchange, self.scale = router, exchange, scale
-        self.cu_q, self.cu_k, self.q_pos = mb.cu_seqlens(rank), mb.cu_seqlens(), mb.positions(rank)
-        router.note("attention", "cp_query_rows", int(self.q_pos.numel()))
+        # The geometry is worked out on the CPU (Python loops over rows), then moved once.
+        dev = router.device
+        q_pos = mb.positions(rank)
+        self.cu_q, self.cu_k = mb.cu_seqlens(rank).to(dev), mb.cu_seqlens().to(dev)
+        self.q_pos = q_pos.to(dev)
+        router.note("attention", "cp_query_rows", int(q_pos.numel()))
         units = [[mb.units(r, b) for b in range(len(mb.lengths))] for r in range(cp)]
         self.calls_max = max(len(u) for per_rank in units for u in per_rank)
         # Backward call j of this rank: the j-th local query chunk of every sequence.
@@ -95,12 +103,12 @@ class ContextParallelAttention:
             rows, counts = [], []
             for b, seq_units in enumerate(units[rank]):
                 mine = [i for i in range(starts[b], starts[b + 1])
-                        if j < len(seq_units) and int(self.q_pos[i]) // block == seq_units[j]]
+                        if j < len(seq_units) and int(q_pos[i]) // block == seq_units[j]]
                 rows += mine
                 counts.append(len(mine))
             rows_t = torch.tensor(rows, dtype=torch.long)
             cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
-            self.calls.append((rows_t, cu, self.q_pos[rows_t]))
+            self.calls.append((rows_t.to(dev), cu.to(dev), q_pos[rows_t].to(dev)))
         # For each key row this rank holds, where each global chunk's partial sits in the gathered
         # [CP * calls_max * Tk] partials, in global chunk order; chunks past a sequence's end point
         # at an appended zero row (adding +0 leaves a sum unchanged).
@@ -118,7 +126,8 @@ class ContextParallelAttention:
                     g = mb.offsets[b] + p
                     index.append([source[(b, u)] * mb.total + g if u < mb.num_units(b) else zero_row
                                   for u in range(width)])
-        self.dkv_index = torch.tensor(index, dtype=torch.long).reshape(-1, width).t().contiguous()
+        self.dkv_index = (torch.tensor(index, dtype=torch.long).reshape(-1, width).t().contiguous()
+                          .to(dev))
 
     def attend(self, layer, q, k, v):
         r = self.router
@@ -149,7 +158,8 @@ class _RContextParallelAttention(torch.autograd.Function):
         cpa, r = ctx.cpa, ctx.cpa.router
         grad_out = grad_out.contiguous()
         dq = torch.empty_like(q)
-        parts = torch.zeros((cpa.calls_max, *k_all.shape[:1], 2, *k_all.shape[1:]))
+        parts = torch.zeros((cpa.calls_max, *k_all.shape[:1], 2, *k_all.shape[1:]),
+                            device=k_all.device)
         if cpa.calls:
             with r.kernels("attention"):
                 for j, (rows, cu_q, pos) in enumerate(cpa.calls):

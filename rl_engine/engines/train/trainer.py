@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rl_engine.distributed import collectives
+from rl_engine.engines.launch import DEVICES, rank_device
 from rl_engine.engines.train import layout as layout_mod
 from rl_engine.engines.train import loss
 from rl_engine.engines.train.context_parallel import (ContextParallelAttention, GatherRows,
@@ -43,8 +44,11 @@ class TrainConfig:
     weight_decay: float = 0.0
     clip: float = 0.2
     adv_eps: float = 1e-6
+    device: str = "cpu"  # cpu, or cuda: the GPU the launcher gave this rank
 
     def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r}; use one of {', '.join(DEVICES)}")
         if self.max_tokens_per_gpu < 1:
             raise ValueError(f"MAX_TOKENS_PER_GPU={self.max_tokens_per_gpu} must be positive")
         if self.lr <= 0 or not all(0.0 <= b < 1.0 for b in self.betas):
@@ -68,7 +72,9 @@ class Trainer:
         self.config, self.reward_fn = config, reward_fn
         self.layout = lay = layout_mod.build(config.tp, config.cp, config.dp)
         router_cls = RowOrderedRouter if config.cp > 1 else Router
-        self.router = router_cls(plan, side="training", engine="builtin")
+        self.router = router_cls(plan, side="training", engine="builtin",
+                                 device=rank_device(config.device))
+        self.device = self.router.device
         self.model = Qwen3(model_config, self.router, TPGroup(lay.tp_rank, lay.tp, lay.tp_group))
         self.model.load_full(state)
         self.params = dict(self.model.named_parameters())
@@ -108,40 +114,42 @@ class Trainer:
         self._reduce(main)
         self._adamw(main)
         self.grads = main
-        logps = self._gather_dp(mine)
+        # Log-probs leave the rank on the CPU; the reported loss is computed there from them.
+        logps = self._gather_dp([t.cpu() for t in mine])
         terms = loss.token_terms(torch.cat(logps), _rollout_logps(samples),
                                  _token_advantages(samples, adv), cfg.clip)
         return StepResult(logps=logps, loss=float(loss.batch_loss(terms, tokens)), rewards=rewards,
                           micro_batches=len(batches))
 
     def _micro_batch(self, samples: list[Sample], adv: list[float], global_tokens: int):
-        cfg, lay, model = self.config, self.layout, self.model
+        cfg, lay, model, dev = self.config, self.layout, self.model, self.device
         mb = MicroBatch([s.length for s in samples], cfg.cp, KV_BLOCK_SIZE)
-        tokens_all = torch.cat([s.tokens() for s in samples])
-        # Row t-1 predicts response token t.
+        tokens_all = torch.cat([s.tokens() for s in samples]).to(dev)
+        # Row t-1 predicts response token t. Row bookkeeping stays on the CPU; index tensors are
+        # moved to the device where they index.
         pred = torch.cat([torch.arange(mb.offsets[b] + len(s.prompt) - 1, mb.offsets[b + 1] - 1)
                           for b, s in enumerate(samples)])
         rows = mb.rows(lay.cp_rank)
         if cfg.cp == 1:
             backend = PackedAttention(self.router, mb, self.scale)
-            hidden = model.hidden(tokens_all, mb.positions(0), backend)
-            h = hidden[pred]
+            hidden = model.hidden(tokens_all, backend.positions, backend)
+            h = hidden[pred.to(dev)]
         else:
             owned = [mb.rows(r) for r in range(cfg.cp)]
-            ex = RowExchange(owned, torch.arange(mb.total), lay.cp_rank, lay.cp_group)
+            ex = RowExchange(owned, torch.arange(mb.total), lay.cp_rank, lay.cp_group, device=dev)
             backend = ContextParallelAttention(self.router, mb, ex, self.scale)
             with self.router.row_ordered(ex, cfg.cp, model.embed):
-                hidden = model.hidden(tokens_all[rows], mb.positions(lay.cp_rank), backend)
+                hidden = model.hidden(tokens_all[rows.to(dev)], backend.q_pos, backend)
             pred_set = set(pred.tolist())
             pred_owned = [torch.tensor([g for g in o.tolist() if g in pred_set], dtype=torch.long)
                           for o in owned]
             local = torch.tensor([i for i, g in enumerate(rows.tolist()) if g in pred_set],
-                                 dtype=torch.long)
-            pred_ex = RowExchange(pred_owned, pred, lay.cp_rank, lay.cp_group)
+                                 dtype=torch.long, device=dev)
+            pred_ex = RowExchange(pred_owned, pred, lay.cp_rank, lay.cp_group, device=dev)
             h = GatherRows.apply(hidden[local], pred_ex, self.router, "logp", True)
-        logp = model.selected_logp(h, tokens_all[pred + 1])
-        terms = loss.token_terms(logp, _rollout_logps(samples), _token_advantages(samples, adv),
-                                 cfg.clip)
+        logp = model.selected_logp(h, tokens_all[(pred + 1).to(dev)])
+        terms = loss.token_terms(logp, _rollout_logps(samples).to(dev),
+                                 _token_advantages(samples, adv).to(dev), cfg.clip)
         loss.batch_loss(terms, global_tokens).backward()
         return list(logp.detach().split([len(s.response) for s in samples]))
 
