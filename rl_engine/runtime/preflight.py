@@ -34,7 +34,8 @@ def _probe(plan: Plan, side: str, device: torch.device) -> dict[str, dict]:
     g = torch.Generator().manual_seed(0)
     dt = torch.bfloat16
     rnd = lambda *s: torch.randn(*s, generator=g).to(dt).to(device)  # noqa: E731
-    h, heads, d, t = 64, 2, 16, 5
+    # head_dim 64: the smallest the CUDA attention kernels take (the CPU ones take any multiple of 8).
+    h, heads, d, t = 128, 2, 64, 5
     x, w = rnd(t, h), rnd(h, h)
     pos = torch.arange(t, device=device)
     cu = torch.tensor([0, t], dtype=torch.int32, device=device)
