@@ -61,3 +61,27 @@ def test_baseline_reports_its_mismatch_and_fails_only_when_bitwise_is_required(r
     strict = rlk("validate", "--readback-dir", str(run_dir / "readbacks"), "--train-data-dir",
                  str(run_dir / "train-data"), "--output", str(tmp_path / "v.json"), "--require-bitwise")
     assert strict.returncode == 1
+
+
+def test_two_engines_of_tp2_match_a_tp2_cp2_trainer_bit_for_bit(rlk, tmp_path):
+    """The runbook layout (trainer TP=2 x CP=2, two rollout engines of TP=2) on 2 prompts x 2
+    samples x 64 new tokens; the readbacks show batched decode over fragmented page tables and each
+    CP rank's share of the query rows."""
+    run_dir = tmp_path / "layout"
+    proc = rlk("run", "--rollout-batch-size", "2", "--max-response-len", "64", "--artifact-dir",
+               str(run_dir), env={"CI_TEST": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("train_current_rollout_logprob_numel=256 train_current_rollout_logprob_mismatch_count=0 "
+            "train_current_rollout_logprob_max_abs_diff=0.0") in proc.stdout
+    readbacks = [json.loads(p.read_text()) for p in (run_dir / "readbacks").glob("*.json")]
+    attention = {(r["side"], r["rank"]): next(m for m in r["modules"] if m["module"] == "attention")
+                 for r in readbacks}
+    assert len(attention) == 8
+    rollout = [m["shapes"] for (side, _), m in attention.items() if side == "rollout"]
+    assert all(max(s["decode_batch"]) > 1 and max(s["fragmented_page_tables"]) > 0 for s in rollout)
+    cp_rows = {r["cp_rank"]: next(m for m in r["modules"] if m["module"] == "attention")["shapes"]
+               ["cp_query_rows"] for r in readbacks if r["side"] == "training"}
+    data = torch.load(run_dir / "train-data" / "rollout-0000.rank0.pt", weights_only=True)
+    lengths = [int(p[-1]) + 1 for p in data["positions"]]  # prompt + response of each sample
+    # Each CP rank holds two of the four load-balanced chunks of every sequence: together, all rows.
+    assert sum(sum(rows) for rows in cp_rows.values()) == sum(lengths)
