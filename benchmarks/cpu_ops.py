@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import math
 import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import rl_engine.ops  # noqa: F401  (loads the extension and its fake kernels)
+from rl_engine.artifacts import files
 from rl_engine.ops import attention, linear, logp, norm, rope, swiglu
 
 SCHEMA_VERSION = 1
@@ -160,21 +159,6 @@ def machine() -> dict:
             "load_average_at_start": list(os.getloadavg())}
 
 
-def write_json(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(payload, fh, indent=2)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a results file is for everyone
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=11)
@@ -222,7 +206,7 @@ def main() -> int:
     if memory is not None:
         payload["linear_logp_memory"] = memory
     payload["machine"]["load_average_at_end"] = list(os.getloadavg())
-    write_json(args.out, payload)
+    files.write_json(args.out, payload)
     print(f"wrote {args.out}")
     return 0
 

@@ -17,8 +17,9 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from rl_engine.artifacts import files
 
 SCHEMA_VERSION = 1
 RESULT = Path(__file__).resolve().parent / "results" / "linear_logp_memory.json"
@@ -85,20 +86,6 @@ def _run_variant(variant: str, args: argparse.Namespace) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _write_json(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(payload, fh, indent=2)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -132,7 +119,7 @@ def main() -> int:
         "target_extra_peak_ratio": TARGET_RATIO,
         "meets_target": memory_ratio < TARGET_RATIO,
     }
-    _write_json(args.out, payload)
+    files.write_json(args.out, payload)
     print(f"extra peak memory: R {r['extra_peak_mib']:.1f} MiB, P {p['extra_peak_mib']:.1f} MiB, "
           f"R/P = {memory_ratio:.3f} (target < {TARGET_RATIO})")
     print(f"time (best of 3): R {r['best_call_s']:.2f} s, P {p['best_call_s']:.2f} s, "

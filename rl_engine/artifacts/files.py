@@ -22,6 +22,7 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
         write(tmp)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; evidence and results are for every reader
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
