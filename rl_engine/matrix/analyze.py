@@ -61,15 +61,14 @@ def _read_exit_code(path: Path, problems: list[str]) -> int | None:
 
 def _mtime(path: Path) -> str | None:
     try:
-        return datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).isoformat(timespec="milliseconds")
     except OSError:
         return None
 
 
 def _seconds(start: str | None, end: str | None) -> float | None:
     try:
-        fmt = "%Y-%m-%dT%H:%M:%SZ"
-        return (datetime.strptime(end, fmt) - datetime.strptime(start, fmt)).total_seconds()
+        return round((datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds(), 3)
     except (TypeError, ValueError):
         return None
 

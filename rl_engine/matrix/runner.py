@@ -125,7 +125,7 @@ def case_env(mid: str, cell: str, attempt_id: str, workload: str, config, *,
             "EXPECTED_NUMEL": config.numel_per_step * config.steps,
             "MODEL_ROOT": model_root or "", "PROMPT_DATA": prompt_data or "",
             "SOURCE_COMMIT": src["commit"] or "", "SOURCE_DIRTY": src["dirty"],
-            "STARTED_AT": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+            "STARTED_AT": datetime.now(timezone.utc).isoformat(timespec="milliseconds")}
 
 
 def run_cell(m: MatrixRun, cell: str, mid: str, config) -> Path:
