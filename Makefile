@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+EXT_STAMP := $(VENV)/.extension-built
+EXT_SOURCES := setup.py pyproject.toml $(shell find csrc include -type f)
 
 .PHONY: install test demo up down bench clean lock
 
@@ -11,13 +13,17 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# torch first, from the pinned CPU build, so that nothing below pulls a multi-GB CUDA build; the
-# package is then built against it without build isolation.
-$(STAMP): $(PY) pyproject.toml setup.py requirements.lock
+# torch first, from the pinned CPU build, so that nothing below pulls a multi-GB CUDA build.
+$(STAMP): $(PY) requirements.lock
 	$(PIP) install -q torch==2.13.0 setuptools wheel ninja
 	$(PIP) install -q -r requirements.lock
-	$(PIP) install -q --no-build-isolation --no-deps -e .
 	touch $(STAMP)
+
+# The package (editable) and its extension, built against that torch without build isolation;
+# rebuilt only when csrc/, include/ or the build files change.
+$(EXT_STAMP): $(STAMP) $(EXT_SOURCES)
+	$(PIP) install -q --no-build-isolation --no-deps -e .
+	touch $(EXT_STAMP)
 
 # Rewrite requirements.lock from the environment (after changing pyproject.toml and installing).
 lock: $(PY)
@@ -25,11 +31,9 @@ lock: $(PY)
 	  echo "# Regenerate after changing pyproject.toml: make lock"; \
 	  $(PIP) freeze --exclude-editable | sed 's/^torch==\([0-9.]*\)+cpu/torch==\1/' ) > requirements.lock
 
-install: $(STAMP)
+install: $(EXT_STAMP)
 
-# Rebuild the extension when csrc/ or include/ changed, then run every test.
 test: install
-	$(PIP) install -q --no-build-isolation --no-deps -e .
 	$(PY) -m pytest tests -q
 
 # The matrix DAG end to end on a local Ray head and a SQLite Airflow home under .state/.
