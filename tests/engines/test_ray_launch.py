@@ -21,7 +21,6 @@ from rl_engine.distributed import collectives
 from rl_engine.engines.ray_launch import cluster_address
 from rl_engine.errors import BadInput
 
-pytest.importorskip("ray")
 
 # Run as __main__, so Ray sends the rank functions to the actors by value.
 DRIVER = r'''

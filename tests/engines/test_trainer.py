@@ -13,10 +13,7 @@ from rl_engine.engines.train import Sample, TrainConfig, TrainJob, train_worker
 from rl_engine.engines.train import loss, packing
 from rl_engine.engines.train.layout import check_world
 from rl_engine.models.config import Qwen3Config
-from rl_engine.ops import _lib
 from rl_engine.runtime.plan import Plan
-
-pytestmark = pytest.mark.skipif(not _lib.available(), reason="rl_engine._C is not built")
 
 CONFIG = Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=32)
