@@ -133,34 +133,29 @@ def tests_cmd(
                                        checkout=checkout, timeout=timeout))
 
 
-@app.command("strict-run")
-def strict_run_cmd(
-    gate_dir: Path = GATE_DIR, checkout: Path = CHECKOUT, workload: str = WORKLOAD,
-    model_root: Path = MODEL_ROOT, prompt_data: Path = PROMPT_DATA, steps: int = STEPS,
-    device: str = DEVICE, timeout: float = TIMEOUT,
-) -> int:
-    """The R/R control, CI_TEST=1 VALIDATE_ARTIFACTS=1, into GATE_DIR/strict-run."""
-    from rl_engine.gate import runs
+def _run_command(name: str, doc: str) -> None:
+    """Registers the gate step `name`: one `rlk run` of the workload, judged by runs.<name>."""
 
-    opts = dict(checkout=checkout, workload=workload, model_root=model_root, prompt_data=prompt_data,
-                steps=steps, device=device, timeout=timeout)
-    return execute("strict-run", gate_dir, opts, lambda d: runs.strict_run(
-        d, _workload(workload, model_root, prompt_data, steps, device, timeout), checkout=checkout))
+    def command(
+        gate_dir: Path = GATE_DIR, checkout: Path = CHECKOUT, workload: str = WORKLOAD,
+        model_root: Path = MODEL_ROOT, prompt_data: Path = PROMPT_DATA, steps: int = STEPS,
+        device: str = DEVICE, timeout: float = TIMEOUT,
+    ) -> int:
+        from rl_engine.gate import runs
+
+        judge = getattr(runs, name.replace("-", "_"))
+        opts = dict(checkout=checkout, workload=workload, model_root=model_root,
+                    prompt_data=prompt_data, steps=steps, device=device, timeout=timeout)
+        return execute(name, gate_dir, opts, lambda d: judge(
+            d, _workload(workload, model_root, prompt_data, steps, device, timeout), checkout=checkout))
+
+    command.__doc__ = doc
+    app.command(name)(command)
 
 
-@app.command("traced-run")
-def traced_run_cmd(
-    gate_dir: Path = GATE_DIR, checkout: Path = CHECKOUT, workload: str = WORKLOAD,
-    model_root: Path = MODEL_ROOT, prompt_data: Path = PROMPT_DATA, steps: int = STEPS,
-    device: str = DEVICE, timeout: float = TIMEOUT,
-) -> int:
-    """The R/R control with --trace into GATE_DIR/traced-run, then the trace gate (control plan)."""
-    from rl_engine.gate import runs
-
-    opts = dict(checkout=checkout, workload=workload, model_root=model_root, prompt_data=prompt_data,
-                steps=steps, device=device, timeout=timeout)
-    return execute("traced-run", gate_dir, opts, lambda d: runs.traced_run(
-        d, _workload(workload, model_root, prompt_data, steps, device, timeout), checkout=checkout))
+_run_command("strict-run", "The R/R control, CI_TEST=1 VALIDATE_ARTIFACTS=1, into GATE_DIR/strict-run.")
+_run_command("traced-run", "The R/R control with --trace into GATE_DIR/traced-run, then the trace "
+                           "gate (control plan).")
 
 
 @app.command("production-run")

@@ -76,7 +76,7 @@ def _flags(m: MatrixRun) -> list[str]:
     return flags
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     """Whether a process of the group still runs (zombies waiting for a reaper do not count)."""
     import psutil
 
@@ -92,14 +92,14 @@ def _group_alive(pgid: int) -> bool:
 def _kill_group(pgid: int) -> None:
     """SIGTERM to the cell's process group, SIGKILL to whatever is left after a grace period."""
     for sig, wait in ((signal.SIGTERM, _KILL_GRACE_S), (signal.SIGKILL, 0.0)):
-        if not _group_alive(pgid):
+        if not group_alive(pgid):
             return
         try:
             os.killpg(pgid, sig)
         except ProcessLookupError:
             return
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and _group_alive(pgid):
+        while time.monotonic() < deadline and group_alive(pgid):
             time.sleep(0.05)
 
 

@@ -132,6 +132,7 @@ def run_steps(*, plan: Plan, config: StepConfig, inputs: Inputs, run: RunDir, ru
                          inputs=inputs.files())
     manifest.write(run.manifest, man)
     state = inputs.state
+    published = state_checksum(state)  # the checksum of the weights the engines must hold
     figures: list[StepFigures] = []
     for step in range(config.steps):
         rollout_id = f"rollout-{step:04d}"
@@ -144,11 +145,10 @@ def run_steps(*, plan: Plan, config: StepConfig, inputs: Inputs, run: RunDir, ru
                          trace_dir=run.trace if trace else None, device=config.device,
                          extra={"step": step})
         samples, results = run_rollout(job)
-        want = state_checksum(state)
         synced = {r["weights_checksum"] for r in results}
-        if synced != {want}:
+        if synced != {published}:
             raise InfrastructureError(f"weight sync failed at step {step}: rollout engines hold "
-                                      f"{sorted(synced)}, the trainer published {want}")
+                                      f"{sorted(synced)}, the trainer published {published}")
         t1 = time.monotonic()
         on_phase(f"step {step}: training (TP {config.tp} x CP {config.cp} x DP {config.dp})")
         result = _train(plan, config, inputs, state, samples, run, run_id, step, trace)
@@ -158,8 +158,8 @@ def run_steps(*, plan: Plan, config: StepConfig, inputs: Inputs, run: RunDir, ru
         fig.seconds = {"rollout": round(t1 - t0, 3), "training": round(t2 - t1, 3)}
         log.info(fig.line())
         figures.append(fig)
-        state = result.state
-        if state_checksum(state) != result.checksum:
+        state, published = result.state, state_checksum(result.state)
+        if published != result.checksum:
             raise InfrastructureError(f"the weights received from the trainer at step {step} do not "
                                       "match the checksum the trainer computed")
         files.write_json(run.weights / f"step-{step:04d}.json",

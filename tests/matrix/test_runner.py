@@ -57,14 +57,8 @@ def matrix(root: Path, *cells: str, groups: list[int] | None = None, on_start=No
     return runner.run(m)
 
 
-def group_alive(pgid: int) -> bool:
-    for p in psutil.process_iter():
-        try:
-            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
-                return True
-        except (psutil.Error, OSError):
-            continue
-    return False
+group_alive = runner.group_alive
+
 
 
 def cell_of(report: dict, cell: str) -> dict:
