@@ -42,12 +42,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent_pid: int) -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+    # The request only covers a parent that dies from now on; one already gone has left this
+    # process with another parent.
+    if os.getppid() != parent_pid:
+        os._exit(3)
 
 
 def check_devices(world: int, device: str) -> None:
@@ -114,9 +118,12 @@ def _log_to_run_log() -> None:
         logging.getLogger().setLevel(logging.INFO)
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results,
-            device: str = "cpu") -> None:
-    _die_with_parent()
+def _worker(rank: int, world: int, port: int, payload: bytes, results, device: str,
+            parent_pid: int) -> None:
+    # fn and its arguments arrive as bytes and are unpickled only here, after the death signal is
+    # armed: unpickling imports torch and the engines, seconds during which the parent may die.
+    _die_with_parent(parent_pid)
+    fn, args = pickle.loads(payload)
     if device == "cuda":
         os.environ.update(CUDA_ENV)  # before NCCL reads its settings
     import torch
@@ -161,8 +168,9 @@ def _launch_local(fn, world: int, *, args: tuple, timeout: float | None,
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results, device),
-                         daemon=True) for r in range(world)]
+    payload = pickle.dumps((fn, args))
+    procs = [ctx.Process(target=_worker, args=(r, world, port, payload, results, device,
+                                               os.getpid()), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
