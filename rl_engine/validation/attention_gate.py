@@ -10,6 +10,11 @@ per query chunk, added in global chunk order after the transport delivered them.
 moves bytes; both end in the same ordered sum (collectives.sum_in_order). Replicas (DP) repeat the
 computation independently and must agree, and every repeat must give the same bits again.
 
+On CUDA (one GPU per rank) the inputs are still generated on the CPU from the seed, so both devices
+start from the same bits, then moved to the rank's GPU; the reference and the shards run the same
+routed ops, which dispatch to the Hopper kernels. `cuda_ag_rs` is the same code as `cpu_ag_rs`: the
+fixed-order all-gather takes its CUDA path because the tensors live on the GPU.
+
 The geometry (row ownership, backward calls, where each chunk's partial lands) is the trainer's
 ContextParallelAttention; its autograd function is not reused because it returns no LSE and its
 exchange is fixed to the all-gather collective.
@@ -33,10 +38,13 @@ from rl_engine.ops import attention as attn_ops
 from rl_engine.runtime.plan import Plan
 from rl_engine.runtime.routing import Router
 
-TRANSPORTS = ("p2p_reference", "cpu_ag_rs")
+DEVICES = ("cpu", "cuda")
+# The CP transports of each device: point to point, or the fixed-order collectives of that device.
+TRANSPORTS = {"cpu": ("p2p_reference", "cpu_ag_rs"), "cuda": ("p2p_reference", "cuda_ag_rs")}
 TENSORS = ("out", "lse", "dq", "dk", "dv")
-CORE_ID = "rlkernel.attention.cpu.v1"
+CORE_IDS = {"cpu": "rlkernel.attention.cpu.v1", "cuda": "rlkernel.attention.sm90.v1"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+HEAD_DIM = {"cpu": 32, "cuda": 64}
 MODULE = "attention"
 
 
@@ -45,17 +53,24 @@ class GateConfig:
     world_size: int
     tp: int = 1
     cp: int = 1
-    transports: tuple[str, ...] = TRANSPORTS
+    device: str = "cpu"
+    transports: tuple[str, ...] | None = None  # None: both transports of the device
     dtype: str = "bf16"
     seq_lens: tuple[int, ...] = (128, 200)
     heads: int = 8
     kv_heads: int = 4
-    head_dim: int = 32
+    head_dim: int | None = None  # None: HEAD_DIM of the device
     repeats: int = 2
     seed: int = 0
     block: int = attn_ops.KV_BLOCK_SIZE
 
     def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise BadInput(f"--device {self.device!r}: use cpu or cuda")
+        if self.transports is None:
+            object.__setattr__(self, "transports", TRANSPORTS[self.device])
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", HEAD_DIM[self.device])
         for name in ("world_size", "tp", "cp", "heads", "kv_heads", "head_dim", "repeats"):
             if getattr(self, name) < 1:
                 raise BadInput(f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
@@ -73,9 +88,23 @@ class GateConfig:
             raise BadInput(f"sequence lengths {list(self.seq_lens)} must be positive")
         if self.dtype not in DTYPES:
             raise BadInput(f"dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
-        bad = [t for t in self.transports if t not in TRANSPORTS]
+        allowed = TRANSPORTS[self.device]
+        bad = [t for t in self.transports if t not in allowed]
         if bad or not self.transports:
-            raise BadInput(f"transport {', '.join(bad) or '(none)'}: use {' or '.join(TRANSPORTS)}")
+            elsewhere = [f"{t} needs --device {d}" for t in bad for d in DEVICES
+                         if d != self.device and t in TRANSPORTS[d]]
+            hint = f" ({'; '.join(elsewhere)})" if elsewhere else ""
+            raise BadInput(f"transport {', '.join(bad) or '(none)'}: with --device {self.device} "
+                           f"use {' or '.join(allowed)}{hint}")
+        # The Hopper kernels take fewer shapes than the CPU ones (any head_dim a multiple of 8):
+        # refused here, before any GPU is taken, rather than by each rank's kernel.
+        cuda_only = (("--head-dim", self.head_dim, (64, 128)),
+                     ("--dtype", self.dtype, ("bf16", "fp16")),
+                     ("kv block size", self.block, (16, 32, 64, 128)))
+        for what, value, takes in cuda_only if self.device == "cuda" else ():
+            if value not in takes:
+                raise BadInput(f"{what} {value}: the CUDA attention kernels take "
+                               f"{' or '.join(map(str, takes))}")
 
     @property
     def replicas(self) -> int:
@@ -84,6 +113,10 @@ class GateConfig:
     @property
     def scale(self) -> float:
         return self.head_dim ** -0.5
+
+    @property
+    def core(self) -> str:
+        return CORE_IDS[self.device]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -106,7 +139,7 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(tensors):
         h.update(name.encode())
-        h.update(bits(tensors[name]).numpy().tobytes())
+        h.update(bits(tensors[name]).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -119,9 +152,11 @@ def _inputs(cfg: GateConfig) -> dict[str, torch.Tensor]:
 
 
 def reference(cfg: GateConfig, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The one-rank computation: whole sequences, every head, one backward call."""
-    cu = torch.tensor([0, *torch.tensor(cfg.seq_lens).cumsum(0).tolist()], dtype=torch.int32)
-    pos = torch.cat([torch.arange(n) for n in cfg.seq_lens])
+    """The one-rank computation: whole sequences, every head, one backward call, on x's device."""
+    dev = x["q"].device
+    cu = torch.tensor([0, *torch.tensor(cfg.seq_lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device=dev)
+    pos = torch.cat([torch.arange(n) for n in cfg.seq_lens]).to(dev)
     out, lse = attn_ops.det_attention(x["q"], x["k"], x["v"], cu, cu, pos, cfg.scale, cfg.block)
     dq, dk, dv = attn_ops.det_attention_backward(x["grad_out"], x["q"], x["k"], x["v"], out, lse,
                                                  cu, cu, pos, cfg.scale, cfg.block)
@@ -131,7 +166,7 @@ def reference(cfg: GateConfig, x: dict[str, torch.Tensor]) -> dict[str, torch.Te
 def _gather_rows(x, cpa: ContextParallelAttention, transport: str, router: Router, group):
     """All K (or V) rows of the micro-batch in one-rank row order, from each CP rank's rows."""
     ex = cpa.exchange
-    if transport == "cpu_ag_rs":
+    if transport != p2p.TRANSPORT:  # cpu_ag_rs or cuda_ag_rs: the device comes from x
         return ex.gather(x, router, MODULE)
     router.records[MODULE].call_counts[p2p.backend_id(x)] += 1
     padded = torch.cat([x, x.new_zeros((ex.width - x.shape[0], *x.shape[1:]))])
@@ -141,8 +176,9 @@ def _gather_rows(x, cpa: ContextParallelAttention, transport: str, router: Route
 def _partials_in_chunk_order(parts, cpa: ContextParallelAttention, owned: list[torch.Tensor],
                              transport: str, router: Router, group) -> torch.Tensor:
     """[chunks, own key rows, 2, Hkv, D]: every chunk's dK/dV partial of this rank's key rows, in
-    global chunk order (zero rows for chunks past a sequence's end), whichever rank computed it."""
-    if transport == "cpu_ag_rs":  # the trainer's: every partial to every rank, then pick
+    global chunk order (zero rows for chunks past a sequence's end), whichever rank computed it.
+    owned: each CP rank's key rows, on parts' device."""
+    if transport != p2p.TRANSPORT:  # the trainer's: every partial to every rank, then pick
         gathered = router.collective(MODULE, "all_gather", parts, group)
         flat = torch.cat([gathered.flatten(0, 1), gathered.new_zeros((1, *gathered.shape[2:]))])
         return flat[cpa.dkv_index]
@@ -156,7 +192,7 @@ def _partials_in_chunk_order(parts, cpa: ContextParallelAttention, owned: list[t
     # Re-address the trainer's index: slot s of global key row g becomes slot s of own row i.
     idx = cpa.dkv_index
     zero = idx == cp * calls * total
-    local = torch.arange(n_own)[None, :]
+    local = torch.arange(n_own, device=idx.device)[None, :]
     assert bool(((idx % total) == owned[rank][None, :]).logical_or(zero).all())
     return flat[torch.where(zero, cp * calls * n_own, (idx // total) * n_own + local)]
 
@@ -171,7 +207,8 @@ def sharded(cfg: GateConfig, x: dict[str, torch.Tensor], cpa: ContextParallelAtt
         out, lse = attn_ops.det_attention(q, k_all, v_all, cpa.cu_q, cpa.cu_k, cpa.q_pos,
                                           cfg.scale, cfg.block)
     dq = torch.empty_like(q)
-    parts = torch.zeros((cpa.calls_max, k_all.shape[0], 2, *k_all.shape[1:]))
+    parts = torch.zeros((cpa.calls_max, k_all.shape[0], 2, *k_all.shape[1:]),
+                        device=k_all.device)
     if cpa.calls:
         with router.kernels(MODULE):
             for j, (rows, cu_q, pos) in enumerate(cpa.calls):
@@ -189,25 +226,34 @@ def sharded(cfg: GateConfig, x: dict[str, torch.Tensor], cpa: ContextParallelAtt
 
 def gate_worker(rank: int, world: int, cfg: GateConfig) -> dict[str, Any]:
     """One rank: its shard for every transport and repeat, compared with its own reference."""
+    import torch.distributed as dist
+
+    from rl_engine.engines.launch import rank_device
+
+    dev = rank_device(cfg.device)
     lay = layouts.build(cfg.tp, cfg.cp, cfg.replicas)
-    full = _inputs(cfg)
-    ref = reference(cfg, full)
+    full = _inputs(cfg)  # on the CPU: the same bits on every device
+    ref = reference(cfg, {name: t.to(dev) for name, t in full.items()})
     mb = MicroBatch(list(cfg.seq_lens), cfg.cp, cfg.block)
     owned = [mb.rows(r) for r in range(cfg.cp)]
+    owned_dev = [o.to(dev) for o in owned]
     rows = owned[lay.cp_rank]
     hq = slice(lay.tp_rank * cfg.heads // cfg.tp, (lay.tp_rank + 1) * cfg.heads // cfg.tp)
     hkv = slice(lay.tp_rank * cfg.kv_heads // cfg.tp, (lay.tp_rank + 1) * cfg.kv_heads // cfg.tp)
     heads = {"q": hq, "grad_out": hq, "k": hkv, "v": hkv}
-    x = {name: t[rows][:, heads[name]].contiguous() for name, t in full.items()}
-    want = {name: ref[name][rows][:, hkv if name in ("dk", "dv") else hq] for name in TENSORS}
+    x = {name: t[rows][:, heads[name]].contiguous().to(dev) for name, t in full.items()}
+    want = {name: ref[name][owned_dev[lay.cp_rank]][:, hkv if name in ("dk", "dv") else hq]
+            for name in TENSORS}
     out: dict[str, Any] = {"rank": rank, "tp_rank": lay.tp_rank, "cp_rank": lay.cp_rank,
                            "replica": lay.dp_rank, "query_rows": int(rows.numel()),
+                           "device": str(dev),
+                           "process_group_backend": str(dist.get_backend(lay.cp_group)),
                            "reference_digest": digest(ref), "transports": {}}
     for transport in cfg.transports:
-        router = Router(Plan(mode="strict"), side="training", engine="builtin")
-        ex = RowExchange(owned, torch.arange(mb.total), lay.cp_rank, lay.cp_group)
+        router = Router(Plan(mode="strict"), side="training", engine="builtin", device=dev)
+        ex = RowExchange(owned, torch.arange(mb.total), lay.cp_rank, lay.cp_group, device=dev)
         cpa = ContextParallelAttention(router, mb, ex, cfg.scale)
-        runs = [sharded(cfg, x, cpa, owned, transport, router, lay.cp_group)
+        runs = [sharded(cfg, x, cpa, owned_dev, transport, router, lay.cp_group)
                 for _ in range(cfg.repeats)]
         tensors = {}
         for name in TENSORS:
@@ -242,25 +288,27 @@ def _topology_report(cfg: GateConfig, results: list[dict[str, Any]], transport: 
     for p in per_rank:
         calls.update(p["call_counts"])
     src = provenance.source()
+    # The device's own kernels must have run: bits from any other core prove nothing about it.
     passed = (all(t["bitwise"] and t["run_to_run_bitwise"] for t in tensors.values())
-              and replicas_agree and reference_agrees and not fallback)
+              and replicas_agree and reference_agrees and not fallback and calls[cfg.core] > 0)
+    backends = sorted({r["process_group_backend"] for r in results})
     return {
         "kind": "attention-gate", "commit": src["commit"], "dirty": src["dirty"],
-        "world_size": cfg.world_size,
+        "device": cfg.device, "world_size": cfg.world_size,
         "topology": {"tp": cfg.tp, "cp": cfg.cp, "replicas": cfg.replicas,
                      "rank_order": "tp fastest, then cp, then replica"},
-        "ranks": [{k: r[k] for k in ("rank", "tp_rank", "cp_rank", "replica", "query_rows")}
-                  for r in results],
+        "ranks": [{k: r[k] for k in ("rank", "tp_rank", "cp_rank", "replica", "query_rows",
+                                     "device")} for r in results],
         "dtype": cfg.dtype,
         "shape": {"seq_lens": list(cfg.seq_lens), "heads": cfg.heads, "kv_heads": cfg.kv_heads,
                   "head_dim": cfg.head_dim, "heads_per_rank": cfg.heads // cfg.tp,
                   "kv_heads_per_rank": cfg.kv_heads // cfg.tp, "seed": cfg.seed},
         "kv_blocks": {"block_size": cfg.block, "anchor": 0, "query_chunk_size": cfg.block,
                       "blocks_per_sequence": [-(-n // cfg.block) for n in cfg.seq_lens]},
-        "core": CORE_ID, "split_kv": False,
+        "core": cfg.core, "split_kv": False,
         "merge_order": {"forward": "global block order", "dk_dv": "global query-chunk order"},
         "transport": transport, "communication_backend": transport,
-        "process_group_backend": "gloo",
+        "process_group_backend": backends[0] if len(backends) == 1 else backends,
         "fallback_allowed": False, "fallback": fallback,
         "repeats": cfg.repeats,
         "compared": "each rank's shard against the same rows and heads of the one-rank reference; "
@@ -272,21 +320,42 @@ def _topology_report(cfg: GateConfig, results: list[dict[str, Any]], transport: 
     }
 
 
-def check_routes() -> None:
-    """Strict mode: fails before any work when the attention kernels cannot run here."""
-    Router(Plan(mode="strict"), side="training", engine="builtin")
+def check_routes(device: str = "cpu") -> None:
+    """Strict mode: fails (exit 2) before any work when the attention kernels cannot run on device
+    (no GPU visible, a GPU that is not Hopper, kernels not built)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise BadInput("--device cuda: no CUDA device is visible; use --device cpu")
+    Router(Plan(mode="strict"), side="training", engine="builtin", device=device)
+
+
+def check_device(cfg: GateConfig) -> None:
+    """Before any rank starts: the strict routes can run, and on CUDA each rank gets a GPU of its
+    own. Under the Ray launcher CUDA ranks run on the cluster's machines, not this one, so their own
+    routers check (strictly, before any work) and Ray's placement finds their GPUs."""
+    from rl_engine import envs
+    from rl_engine.engines.launch import check_devices
+
+    if envs.RLK_LAUNCHER == "ray" and cfg.device == "cuda":
+        return
+    check_routes(cfg.device)
+    try:
+        check_devices(cfg.world_size, cfg.device)
+    except ValueError as exc:
+        raise BadInput(f"--world-size {cfg.world_size}: {exc}") from None
 
 
 def run(cfg: GateConfig, *, timeout: float | None = None) -> list[dict[str, Any]]:
-    """Runs the gate on cfg.world_size ranks; one report per transport."""
+    """Runs the gate on cfg.world_size ranks of cfg.device; one report per transport."""
     from rl_engine.engines.launch import launch
 
-    check_routes()
-    results = launch(gate_worker, cfg.world_size, args=(cfg,), timeout=timeout)
+    check_device(cfg)
+    results = launch(gate_worker, cfg.world_size, args=(cfg,), timeout=timeout, device=cfg.device)
     return [_topology_report(cfg, results, t) for t in cfg.transports]
 
 
 def file_name(report: dict[str, Any]) -> str:
+    """CPU reports keep their original name; CUDA ones say the device."""
     t = report["topology"]
-    return (f"attention-gate-w{report['world_size']}-tp{t['tp']}-cp{t['cp']}-"
+    device = "" if report["device"] == "cpu" else f"{report['device']}-"
+    return (f"attention-gate-{device}w{report['world_size']}-tp{t['tp']}-cp{t['cp']}-"
             f"{report['transport']}-{report['dtype']}.json")

@@ -1,6 +1,8 @@
 """`rlk attention-gate`: strict attention sharded over TP x CP x replicas equals the one-rank
 computation bit for bit on 2, 4 and 8 CPU ranks with both CP transports, and the gate notices when
-dK/dV partials are added in any other order than global chunk order."""
+dK/dV partials are added in any other order than global chunk order. On CUDA (skipped without two
+Hopper GPUs) the same holds on 1 and 2 GPUs with both CUDA transports; a transport of the other
+device, a shape the CUDA kernels do not take, or a machine without a GPU is refused (exit 2)."""
 
 from __future__ import annotations
 
@@ -17,8 +19,15 @@ from rl_engine.engines.launch import launch
 from rl_engine.validation import attention_gate as gate
 
 BOTH = ("p2p_reference", "cpu_ag_rs")
-EXCHANGE_BACKEND = {"p2p_reference": "p2p_reference.gloo",
-                    "cpu_ag_rs": "rlkernel.collective.all_gather.cpu.v1"}
+BOTH_CUDA = ("p2p_reference", "cuda_ag_rs")
+# What each (device, transport) records as its exchange: NCCL point to point, or the fixed-order
+# all-gather's CUDA IPC kernels.
+EXCHANGE_BACKEND = {("cpu", "p2p_reference"): "p2p_reference.gloo",
+                    ("cpu", "cpu_ag_rs"): "rlkernel.collective.all_gather.cpu.v1",
+                    ("cuda", "p2p_reference"): "p2p_reference.nccl",
+                    ("cuda", "cuda_ag_rs"): "rlkernel.collective.all_gather.cuda_ipc.v1"}
+HOPPER_PAIR = (torch.cuda.is_available() and torch.cuda.device_count() >= 2
+               and all(torch.cuda.get_device_capability(i) == (9, 0) for i in range(2)))
 
 
 def assert_bitwise(report: dict) -> None:
@@ -27,8 +36,14 @@ def assert_bitwise(report: dict) -> None:
         assert t == {"max_abs_diff": 0.0, "bitwise": True, "run_to_run_bitwise": True}, name
     assert report["passed"] and report["replicas_agree"] and report["reference_agrees_across_ranks"]
     assert report["fallback"] is False and report["fallback_allowed"] is False
+    device = report["device"]
+    assert report["core"] == gate.CORE_IDS[device]
+    assert report["communication_backend"] == report["transport"]
     calls = report["call_counts"]
-    assert calls["rlkernel.attention.cpu.v1"] > 0 and calls[EXCHANGE_BACKEND[report["transport"]]] > 0
+    exchange = EXCHANGE_BACKEND[(device, report["transport"])]
+    assert calls[report["core"]] > 0 and calls[exchange] > 0, calls
+    other = {"cpu": "cuda", "cuda": "cpu"}[device]
+    assert gate.CORE_IDS[other] not in calls, calls
 
 
 @pytest.mark.slow
@@ -44,7 +59,9 @@ def test_cli_two_ranks_both_transports_write_their_evidence(tmp_path):
         report = json.loads((out / f"attention-gate-w2-tp1-cp2-{transport}-bf16.json").read_text())
         assert_bitwise(report)
         assert report["schema_version"] == 1 and report["commit"]
-        assert report["communication_backend"] == transport and report["core"] == gate.CORE_ID
+        assert report["device"] == "cpu" and report["process_group_backend"] == "gloo"
+        assert report["communication_backend"] == transport
+        assert report["core"] == "rlkernel.attention.cpu.v1"
         assert report["split_kv"] is False and report["dtype"] == "bf16"
         assert report["merge_order"] == {"forward": "global block order",
                                          "dk_dv": "global query-chunk order"}
@@ -104,6 +121,95 @@ def test_a_topology_that_cannot_be_built_exits_2(args, message, capsys):
 
     assert main(["attention-gate", *args, "--transport", "p2p_reference"]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--transport", "cuda_ag_rs"],
+     "transport cuda_ag_rs: with --device cpu use p2p_reference or cpu_ag_rs (cuda_ag_rs needs "
+     "--device cuda)"),
+    (["--device", "cuda", "--transport", "p2p_reference,cpu_ag_rs"],
+     "transport cpu_ag_rs: with --device cuda use p2p_reference or cuda_ag_rs (cpu_ag_rs needs "
+     "--device cpu)"),
+    (["--device", "cuda", "--head-dim", "32"],
+     "--head-dim 32: the CUDA attention kernels take 64 or 128"),
+    (["--device", "cuda", "--dtype", "fp32"], "--dtype fp32: the CUDA attention kernels take bf16 or fp16"),
+    (["--device", "tpu"], "--device 'tpu': use cpu or cuda"),
+])
+def test_a_transport_or_shape_the_device_cannot_run_exits_2(args, message, capsys, tmp_path):
+    from rl_engine.cli import main
+
+    out = tmp_path / "gate"
+    assert main(["attention-gate", "--world-size", "2", "--cp", "2", *args,
+                 "--output-dir", str(out)]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_each_device_defaults_to_its_own_transports_and_head_dim():
+    cpu, cuda = gate.GateConfig(world_size=1), gate.GateConfig(world_size=1, device="cuda")
+    assert (cpu.transports, cpu.head_dim, cpu.core) == (BOTH, 32, "rlkernel.attention.cpu.v1")
+    assert (cuda.transports, cuda.head_dim, cuda.core) == (BOTH_CUDA, 64,
+                                                           "rlkernel.attention.sm90.v1")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU")
+def test_cuda_without_a_gpu_exits_2_before_any_rank_starts(capsys, tmp_path):
+    from rl_engine.cli import main
+
+    out = tmp_path / "gate"
+    assert main(["attention-gate", "--world-size", "2", "--cp", "2", "--device", "cuda",
+                 "--output-dir", str(out)]) == 2
+    assert "--device cuda: no CUDA device is visible; use --device cpu" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HOPPER_PAIR, reason="needs two Hopper (sm_90) CUDA GPUs")
+def test_cuda_more_ranks_than_gpus_is_refused_before_any_rank_starts(capsys, tmp_path):
+    from rl_engine.cli import main
+
+    gpus = torch.cuda.device_count()
+    world = 2 * gpus  # CP=2 x gpus replicas
+    assert main(["attention-gate", "--world-size", str(world), "--cp", "2", "--device", "cuda",
+                 "--output-dir", str(tmp_path / "gate")]) == 2
+    assert f"world {world} needs {world} GPUs, {gpus} visible" in capsys.readouterr().err
+    assert not (tmp_path / "gate").exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.skipif(not HOPPER_PAIR, reason="needs two Hopper (sm_90) CUDA GPUs")
+@pytest.mark.parametrize("world,tp,cp", [(2, 1, 2), (2, 2, 1), (1, 1, 1)])
+def test_cuda_shards_are_bitwise_equal_to_one_gpu(world, tp, cp):
+    cfg = gate.GateConfig(world_size=world, tp=tp, cp=cp, device="cuda", transports=BOTH_CUDA)
+    reports = gate.run(cfg, timeout=300)
+    assert [r["transport"] for r in reports] == list(BOTH_CUDA)
+    for report in reports:
+        assert_bitwise(report)
+        assert report["device"] == "cuda" and report["shape"]["head_dim"] == 64
+        assert "nccl" in str(report["process_group_backend"])
+        assert [r["device"] for r in report["ranks"]] == [f"cuda:{i}" for i in range(world)]
+        assert [(r["tp_rank"], r["cp_rank"]) for r in report["ranks"]] == [
+            (i % tp, i // tp) for i in range(world)]
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.skipif(not HOPPER_PAIR, reason="needs two Hopper (sm_90) CUDA GPUs")
+def test_cuda_cli_runs_both_cuda_transports_by_default(tmp_path):
+    out = tmp_path / "gate"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rl_engine.cli", "attention-gate", "--world-size", "2", "--cp", "2",
+         "--device", "cuda", "--output-dir", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "RLK_LAUNCHER": "local"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for transport in BOTH_CUDA:
+        report = json.loads((out / f"attention-gate-cuda-w2-tp1-cp2-{transport}-bf16.json")
+                            .read_text())
+        assert_bitwise(report)
+        assert report["core"] == "rlkernel.attention.sm90.v1" and report["dtype"] == "bf16"
+        assert sum(r["query_rows"] for r in report["ranks"]) == 328
 
 
 def test_compare_sees_one_ulp_and_the_sign_of_zero():
