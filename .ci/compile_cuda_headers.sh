@@ -43,6 +43,12 @@ template __global__ void rc::rlk_linear_logp_dlogit_kernel<__nv_bfloat16>(const 
 template cudaError_t rc::launch_rank_order_sum<__nv_bfloat16, 8>(const __nv_bfloat16*, int64_t, int64_t, float*, int, cudaStream_t);
 template cudaError_t rc::launch_rank_order_sum<__half, 1>(const __half*, int64_t, int64_t, float*, int, cudaStream_t);
 template cudaError_t rc::launch_rank_order_sum<float, 4>(const float*, int64_t, int64_t, float*, int, cudaStream_t);
+template __global__ void rc::rlk_ipc_all_gather_kernel<__half, 8>(rc::IpcPeers, int, int, const __half*, int64_t, int64_t,
+                                                              __half*, bool, bool, uint64_t*);
+template __global__ void rc::rlk_ipc_reduce_scatter_kernel<float, 4>(rc::IpcPeers, int, int, const float*, int64_t, int64_t,
+                                                                 float*, bool, bool, uint64_t*);
+template __global__ void rc::rlk_ipc_all_reduce_kernel<__nv_bfloat16, 8>(rc::IpcPeers, int, int, const __nv_bfloat16*, int64_t,
+                                                                     int64_t, __nv_bfloat16*, bool, bool, uint64_t*);
 CU
 
 "$NVCC" --version | tail -n 1

@@ -11,6 +11,7 @@
 // - Inputs may be bf16, fp16 or fp32; outputs take the input dtype unless the comment says fp32.
 #include <torch/library.h>
 
+#include "ipc_layout.h"
 #include "kernel_counters.h"
 
 TORCH_LIBRARY(rl_engine, m) {
@@ -77,6 +78,27 @@ TORCH_LIBRARY(rl_engine, m) {
   // out = sum_r parts[r] in rank order r = 0..R-1, in fp32, elementwise; parts[R, ...]. The
   // payload sum of the CPU fixed-order collectives. Output fp32.
   m.def("rank_order_sum(Tensor parts) -> Tensor");
+
+  // CUDA IPC collectives between the GPUs of one host (CUDA only; driven by
+  // rl_engine/distributed/cuda_ipc.py). ipc_buffer: a zeroed uint8 [bytes] buffer on like's device,
+  // an allocation of its own so that it can be shared; ipc_handle: its CUDA IPC handle as a CPU
+  // uint8 tensor; ipc_open: a peer's buffer from its handle, mapped on like's device.
+  m.def("ipc_buffer(Tensor like, int bytes) -> Tensor");
+  m.def("ipc_handle(Tensor buffer) -> Tensor");
+  m.def("ipc_open(Tensor handle, Tensor like, int bytes) -> Tensor");
+  // The collectives: x contiguous bf16/fp16/fp32, the same shape on every rank; buffers: every
+  // rank's buffer in rank order as mapped here; epochs: int64 [ipc_max_blocks] barrier counters of
+  // this rank's communicator (zeroed with its buffer); max_blocks: the grid limit, equal on every
+  // rank. Sums are in rank order 0..N-1 in fp32, rounded once to x's dtype. all_gather returns
+  // [N * x.size(0), ...] in rank order; reduce_scatter this rank's share [x.size(0) / N, ...];
+  // all_reduce x's shape.
+  m.def("ipc_all_gather(Tensor x, Tensor(a!)[] buffers, int rank, Tensor(b!) epochs, int max_blocks) -> Tensor");
+  m.def("ipc_reduce_scatter(Tensor x, Tensor(a!)[] buffers, int rank, Tensor(b!) epochs, int max_blocks) -> Tensor");
+  m.def("ipc_all_reduce(Tensor x, Tensor(a!)[] buffers, int rank, Tensor(b!) epochs, int max_blocks) -> Tensor");
+  // The flag-area bytes at the start of every buffer, the staging bytes after it that a collective
+  // needs (kind 0 all_gather, 1 reduce_scatter, 2 all_reduce; numel per rank as its op takes x),
+  // and the most ranks and grid blocks; 0 in a build without the sm_90a kernels.
+  m.def("ipc_layout(int kind, int numel, int ranks, int element_size) -> int[]", &rl_engine::ipc_layout);
 
   // Per-kernel call counters, incremented inside each kernel launcher: int64 [num_kernels, 2]
   // (column 0 CPU, column 1 CUDA); rows follow include/rl_engine/kernel_ids.h.

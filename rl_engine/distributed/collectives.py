@@ -1,9 +1,10 @@
 """Fixed-order collectives over a torch.distributed process group.
 
 The R collectives sum in rank order 0..N-1 in fp32 at every message size, so every rank gets the
-same bits and the bits do not depend on the transport's algorithm choice. The payload is exchanged
-by the group's all-gather, which only moves bytes (gloo on the CPU: transport `cpu_ag_rs`; NCCL on
-CUDA: `cuda_ag_rs`), and summed by the extension's rank_order_sum kernel on the tensors' device.
+same bits and the bits do not depend on the transport's algorithm choice. On the CPU (transport
+`cpu_ag_rs`) the payload is exchanged by gloo's all-gather, which only moves bytes, and summed by
+the extension's rank_order_sum kernel. On CUDA (transport `cuda_ag_rs`) rl_engine's own kernels
+move and sum the payload over CUDA IPC (distributed/cuda_ipc.py); there is no fallback to NCCL.
 The production twins are the process group's native collectives.
 """
 
@@ -14,6 +15,7 @@ import collections
 import torch
 import torch.distributed as dist
 
+from rl_engine.distributed import cuda_ipc
 from rl_engine.ops import _lib
 
 # Launches of each collective payload path in this process, by backend id.
@@ -21,9 +23,7 @@ CALLS: collections.Counter[str] = collections.Counter()
 
 
 def _device_tag(x: torch.Tensor) -> str:
-    # "cuda", not "cuda_ipc": on CUDA the payload still moves by NCCL's all-gather; only the sum is
-    # rl_engine's kernel.
-    return "cuda" if x.is_cuda else "cpu"
+    return "cuda_ipc" if x.is_cuda else "cpu"
 
 
 def backend_id(kind: str, x: torch.Tensor, fixed: bool) -> str:
@@ -45,6 +45,8 @@ def all_gather(x: torch.Tensor, group, *, fixed: bool = True) -> torch.Tensor:
     CALLS[backend_id("all_gather", x, fixed)] += 1
     if dist.get_world_size(group) == 1:
         return x
+    if fixed and x.is_cuda:
+        return cuda_ipc.all_gather(x, group)
     return torch.cat(_gather_list(x, group), dim=0)
 
 
@@ -57,6 +59,8 @@ def all_reduce(x: torch.Tensor, group, *, fixed: bool = True) -> torch.Tensor:
         out = x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(out, group=group)
         return out
+    if x.is_cuda:
+        return cuda_ipc.all_reduce(x, group)
     parts = torch.stack(_gather_list(x, group))
     return _lib.ops().rank_order_sum(parts).to(x.dtype)
 
@@ -79,6 +83,8 @@ def reduce_scatter(x: torch.Tensor, group, *, fixed: bool = True) -> torch.Tenso
         out = torch.empty((share, *x.shape[1:]), dtype=x.dtype, device=x.device)
         dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
         return out
+    if x.is_cuda:
+        return cuda_ipc.reduce_scatter(x, group)
     parts = torch.stack([p[rank * share:(rank + 1) * share] for p in _gather_list(x, group)])
     return _lib.ops().rank_order_sum(parts).to(x.dtype)
 

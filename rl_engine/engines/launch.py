@@ -143,6 +143,10 @@ def _worker(rank: int, world: int, port: int, payload: bytes, results, device: s
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise SystemExit(3)
     finally:
+        if device == "cuda":
+            from rl_engine.distributed import cuda_ipc
+
+            cuda_ipc.release()  # unmaps the peers' IPC buffers while the CUDA context is alive
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -91,6 +91,9 @@ def _rank_actor_class():
             out = fn(rank, world, *args)
             if device == "cuda":
                 out = to_cpu(out)
+                from rl_engine.distributed import cuda_ipc
+
+                cuda_ipc.release()
             # Only on success: a failed rank keeps its connections open until the launcher kills
             # it, so its peers do not fail first on a closed connection and hide the cause.
             dist.destroy_process_group()

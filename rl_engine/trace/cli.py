@@ -26,6 +26,8 @@ def gate_cmd(
     device: str = typer.Option("cpu", help="cpu (rl_engine:: op events) or cuda (kernels)"),
     world_size: int = typer.Option(1, help="ranks of the traced group; >1 requires the "
                                            "fixed-order collectives under an all-R plan"),
+    tp: int = typer.Option(1, help="tensor-parallel size of the traced layout: the gradient "
+                                   "sync's reduce-scatter is required only when world-size / tp > 1"),
     side: str = typer.Option("both", help="training, rollout or both: the sides the trace covers"),
     output: Path = typer.Option(None, help="where to write trace-gate.json"),
 ) -> int:
@@ -44,7 +46,7 @@ def gate_cmd(
         raise BadInput(f"--world-size {world_size} must be at least 1")
     sides = SIDES if side == "both" else (side,)
     counts = gate.count(trace, device)
-    report = gate.gate(counts, plan, device=device, world_size=world_size, sides=sides)
+    report = gate.gate(counts, plan, device=device, world_size=world_size, sides=sides, tp=tp)
     report["trace_files"] = [str(p) for p in gate.trace_files(trace)]
     if output is not None:
         files.write_json(output, report)

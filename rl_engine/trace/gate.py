@@ -112,8 +112,12 @@ def count(paths: list[Path], device: str) -> Counts:
 
 
 def requirements(plan: Plan, device: str, world_size: int,
-                 sides: tuple[str, ...] = SIDES) -> tuple[set[str], set[str], bool]:
-    """(families that must launch, families that must not, whether NCCL payload is forbidden)."""
+                 sides: tuple[str, ...] = SIDES, tp: int = 1) -> tuple[set[str], set[str], bool]:
+    """(families that must launch, families that must not, whether NCCL payload is forbidden).
+
+    On CUDA every layout of more than one rank all-gathers and all-reduces (TP's row-parallel
+    sums and vocab-parallel log-probs; CP's K/V gather); the gradient sync over CP x DP ranks is
+    the one reduce-scatter, so it is required only when world_size / tp > 1."""
     must: set[str] = set()
     for module in MODULES:
         for side in sides:
@@ -122,7 +126,11 @@ def requirements(plan: Plan, device: str, world_size: int,
     all_r = all(plan.impl(m, s) == "R" for m in MODULES for s in sides)
     all_p = all(plan.impl(m, s) == "P" for m in MODULES for s in sides)
     if all_r and world_size > 1:
-        must.update(fam.COLLECTIVE_FAMILIES if device == "cuda" else fam.CPU_ONLY_FAMILIES)
+        if device == "cuda":
+            must.update(f for f in fam.COLLECTIVE_FAMILIES
+                        if f != "ipc_reduce_scatter" or world_size // tp > 1)
+        else:
+            must.update(fam.CPU_ONLY_FAMILIES)
     if all_p:
         forbidden = set(fam.FAMILIES) | set(fam.CPU_ONLY_FAMILIES)
     else:
@@ -132,10 +140,12 @@ def requirements(plan: Plan, device: str, world_size: int,
 
 
 def gate(counts: Counts, plan_name: str, *, device: str, world_size: int = 1,
-         sides: tuple[str, ...] = SIDES) -> dict[str, Any]:
+         sides: tuple[str, ...] = SIDES, tp: int = 1) -> dict[str, Any]:
+    if tp < 1 or world_size % tp:
+        raise errors.BadInput(f"--tp {tp} must divide --world-size {world_size}")
     cell = normalize_cell(plan_name)
     plan = cell_plan(cell)
-    must, forbidden, no_reference = requirements(plan, device, world_size, sides)
+    must, forbidden, no_reference = requirements(plan, device, world_size, sides, tp)
     checks = [{"family": f, "want": ">0", "count": counts.families[f], "ok": counts.families[f] > 0}
               for f in sorted(must)]
     checks += [{"family": f, "want": "==0", "count": counts.families[f], "ok": counts.families[f] == 0}
@@ -150,7 +160,7 @@ def gate(counts: Counts, plan_name: str, *, device: str, world_size: int = 1,
         problems.insert(0, "the trace holds no kernel or op events")
     return {
         "schema_version": SCHEMA_VERSION, "plan_name": plan_name, "cell": cell,
-        "plan": plan.as_dict(), "device": device, "world_size": world_size, "sides": list(sides),
+        "plan": plan.as_dict(), "device": device, "world_size": world_size, "tp": tp, "sides": list(sides),
         "events": counts.events, "counts": {f: counts.families[f] for f in
                                             (*fam.FAMILIES, *fam.CPU_ONLY_FAMILIES)},
         "reference_collective_calls": reference_calls,

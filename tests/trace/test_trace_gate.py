@@ -142,6 +142,10 @@ def test_nsys_export_all_r_needs_ipc_collectives_and_no_nccl(tmp_path):
     assert failing(verdict(no_ipc, "control", device="cuda", world=2)) == {
         "ipc_all_gather": 0, "ipc_reduce_scatter": 0, "ipc_all_reduce": 0, "reference_collective": 2}
     assert verdict(no_ipc, "control", device="cuda", world=1)["passed"] is False  # NCCL payload
+    # TP=2 alone has no gradient group to reduce-scatter over; it still needs AG and AR.
+    assert failing(gate.gate(gate.count([no_ipc], "cuda"), "control", device="cuda", world_size=2,
+                             tp=2)) == {"ipc_all_gather": 0, "ipc_all_reduce": 0,
+                                        "reference_collective": 2}
     production = nsys_export.build(tmp_path / "p.sqlite", TORCH + NCCL)
     assert verdict(production, "baseline", device="cuda", world=2)["passed"]
     assert failing(verdict(good, "baseline", device="cuda")) == {

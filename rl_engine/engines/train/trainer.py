@@ -163,9 +163,21 @@ class Trainer:
                                                      lay.tp_group)
         names = list(main)
         flat = torch.cat([main[n].flatten() for n in names])
-        flat = collectives.all_reduce(flat, lay.grad_group, fixed=self.fixed)
+        flat = self._sync_grads(flat, lay.grad_group)
         for n, part in zip(names, flat.split([main[n].numel() for n in names])):
             main[n] = part.view_as(main[n])
+
+    def _sync_grads(self, flat: torch.Tensor, group) -> torch.Tensor:
+        """The sum of flat over the gradient group. Fixed: a reduce-scatter then an all-gather of
+        the reduced shards, the data flow of Megatron's distributed optimizer; every element is
+        still one rank-order fp32 sum, so the bits equal a fixed-order all-reduce."""
+        world = dist.get_world_size(group)
+        if not self.fixed or world == 1:
+            return collectives.all_reduce(flat, group, fixed=self.fixed)
+        n = flat.numel()
+        padded = torch.cat([flat, flat.new_zeros((-n) % world)])
+        shard = collectives.reduce_scatter(padded, group)
+        return collectives.all_gather(shard, group)[:n]
 
     @torch.no_grad()
     def _adamw(self, main: dict[str, torch.Tensor]) -> None:
