@@ -1,5 +1,6 @@
-"""Step time of the R/R control over the P/P baseline on the `tiny` model: what determinism costs
-for one whole post-training step (rollout, then training), not for one kernel.
+"""Step time of the R/R control over the P/P baseline: what determinism costs for one whole
+post-training step (rollout, then training), not for one kernel. The model is generated from a
+fixed seed (`tiny` by default, `small` = hidden 1024, 8 layers); CPU or CUDA ranks.
 
 Each run is one `rlk run` step done in this process through rl_engine.step (its own run directory
 in a temporary folder; rollout engines and trainer ranks are fresh local processes, as in `rlk
@@ -7,7 +8,9 @@ run`). R/R and P/P runs alternate, so a change of machine load falls on both; a 
 median(R/R) / median(P/P), for the step and for its rollout and training phases as the step runner
 times them. The wall time of a run also counts writing its evidence.
 
-    python benchmarks/step_time.py [--workload default|ci] [--repeats 3]
+    python benchmarks/step_time.py [--workload default|ci] [--repeats 3] [--model tiny|small]
+        [--device cpu|cuda] [--tp N --cp N --actor-gpus N --rollout-gpus N
+         --rollout-gpus-per-engine N]
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ SCHEMA_VERSION = 1
 RESULT = Path(__file__).resolve().parent / "results" / "step_time.json"
 PLANS = {"R/R": Plan(), "P/P": Plan(attention="P/P", ffn="P/P", logp="P/P")}
 PHASES = ("rollout", "training", "step", "wall")
+LAYOUT = ("tp", "cp", "actor_gpus", "rollout_gpus", "rollout_gpus_per_engine")
 
 
 def machine() -> dict:
@@ -66,10 +70,15 @@ def main() -> int:
                         "4 rollout ranks, 2 x 128 new tokens) or ci (2 + 2 ranks, 2 x 32 tokens)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each plan")
     parser.add_argument("--out", type=Path, default=RESULT)
+    parser.add_argument("--model", default="tiny", choices=("tiny", "small"))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    for name in LAYOUT:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     info = machine()
-    config = StepConfig.resolve(args.workload, steps=1)
+    config = StepConfig.resolve(args.workload, steps=1, device=args.device,
+                                **{name: getattr(args, name) for name in LAYOUT})
     print(f"torch {info['torch']}, {info['cpu_count']} CPUs, load {info['load_average_at_start'][0]:.1f}; "
           f"workload {args.workload}: TP {config.tp} x CP {config.cp} x DP {config.dp} trainer, "
           f"{config.engines} rollout engine(s) of TP {config.rollout_gpus_per_engine}, "
@@ -77,7 +86,7 @@ def main() -> int:
     runs = []
     with tempfile.TemporaryDirectory(prefix="rlk-step-time-") as tmp:
         scratch = Path(tmp)
-        model = init_model("tiny", scratch / "models" / "tiny", seed=0)
+        model = init_model(args.model, scratch / "models" / args.model, seed=0)
         inputs = step_inputs.load(model, None, count=config.rollout_batch_size)
         for i in range(args.repeats):
             for case in PLANS:
@@ -94,7 +103,8 @@ def main() -> int:
     src = provenance.source()
     files.write_json(args.out, {
         "schema_version": SCHEMA_VERSION, "benchmark": "step_time", "commit": src["commit"],
-        "dirty": src["dirty"], "machine": info, "model": "tiny", "workload": args.workload,
+        "dirty": src["dirty"], "machine": info, "model": args.model, "device": args.device,
+        "workload": args.workload,
         "layout": config.as_dict(), "repeats": args.repeats,
         "plans": {case: plan.as_dict() for case, plan in PLANS.items()},
         "median_seconds": med, "ratio_r_over_p": ratio, "runs": runs})

@@ -39,6 +39,8 @@ at::Tensor ipc_buffer(const at::Tensor& like, int64_t bytes) {
   check_cuda(cudaMalloc(&ptr, static_cast<size_t>(bytes)), op, "cudaMalloc");
   // Zeroed flags and epochs start every rank's barriers at the same count.
   check_cuda(cudaMemset(ptr, 0, static_cast<size_t>(bytes)), op, "cudaMemset");
+  // Done before the handle leaves this process: a peer may store into the buffer at once.
+  check_cuda(cudaDeviceSynchronize(), op, "cudaDeviceSynchronize");
   const int device = like.device().index();
   return at::from_blob(
       ptr, {bytes},

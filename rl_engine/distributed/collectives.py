@@ -94,3 +94,14 @@ def sum_in_order(parts: list[torch.Tensor]) -> torch.Tensor:
     if len(parts) == 1:
         return parts[0].float()
     return _lib.ops().rank_order_sum(torch.stack([p.float() for p in parts]))
+
+
+def transport_record() -> dict:
+    """What carried this process's fixed-order collectives: `cuda_ag_rs` (CUDA IPC), `cpu_ag_rs`
+    (gloo) or None when none ran. There is no fallback path, so a collective that did not run on
+    these transports shows as a production backend id in CALLS, never as a fallback here."""
+    fixed = sorted(k for k in CALLS if k.startswith("rlkernel.collective."))
+    tags = {k.split(".")[3] for k in fixed}
+    names = sorted({"cuda_ag_rs" if t == "cuda_ipc" else "cpu_ag_rs" for t in tags})
+    return {"communication_backend": ",".join(names) or None, "fallback_allowed": False,
+            "fallback": False}

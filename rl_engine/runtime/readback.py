@@ -51,6 +51,7 @@ def write(run_dir: Path, router: Router, *, run_id: str, rank: int,
         "modules": router.module_records(),
         "kernel_totals": kernel_totals(),
         "collective_calls": dict(sorted(collectives.CALLS.items())),
+        "collective_transport": collectives.transport_record(),
         **(extra or {}),
     }
     return files.write_json(readback_path(run_dir, router.engine, router.side), payload)

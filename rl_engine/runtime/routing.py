@@ -79,6 +79,12 @@ class Router:
     def is_r(self, module: str) -> bool:
         return self.records[module].actual == "R"
 
+    def any_r(self) -> bool:
+        """Whether any module of this side runs R: then the byte-moving collectives outside the
+        modules (weight gathers) use the fixed-order transport too, so an all-R run shows no
+        production collective; an all-P run keeps the production ones."""
+        return any(r.actual == "R" for r in self.records.values())
+
     def note(self, module: str, key: str, value: int) -> None:
         """Adds a shape fact (rows seen, decode batch size, ...) to the module's record."""
         self.records[module].shapes[key].add(int(value))

@@ -67,3 +67,20 @@ def test_sum_in_order_is_the_same_rank_order_sum():
     parts = [torch.randn(7).bfloat16() for _ in range(3)]
     want = (parts[0].float() + parts[1].float()) + parts[2].float()
     assert torch.equal(collectives.sum_in_order(parts), want)
+
+
+def test_transport_record_names_what_carried_the_fixed_collectives():
+    saved = dict(collectives.CALLS)
+    try:
+        collectives.CALLS.clear()
+        collectives.CALLS["production.nccl.all_reduce"] += 1
+        assert collectives.transport_record()["communication_backend"] is None
+        collectives.CALLS["rlkernel.collective.all_gather.cpu.v1"] += 1
+        assert collectives.transport_record()["communication_backend"] == "cpu_ag_rs"
+        collectives.CALLS["rlkernel.collective.all_reduce.cuda_ipc.v1"] += 1
+        record = collectives.transport_record()
+        assert record == {"communication_backend": "cpu_ag_rs,cuda_ag_rs", "fallback_allowed": False,
+                          "fallback": False}
+    finally:
+        collectives.CALLS.clear()
+        collectives.CALLS.update(saved)

@@ -146,7 +146,8 @@ class RolloutEngine:
     def _sample(self, seqs: list[_Seq], hidden_last: torch.Tensor) -> None:
         """Draws each sequence's next token, then its log-prob through the plan's logp route."""
         logits = sampling.full_logits(hidden_last, self.model.lm_head,
-                                      vocab=self.model.config.vocab_size, tp=self.tp)
+                                      vocab=self.model.config.vocab_size, tp=self.tp,
+                                      router=self.router)
         chosen = [sampling.gumbel_max(logits[b], sampling.step_seed(s.seed, len(s.sample.tokens)))
                   for b, s in enumerate(seqs)]
         target = torch.tensor(chosen, dtype=torch.long, device=hidden_last.device)

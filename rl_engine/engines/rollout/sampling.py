@@ -11,11 +11,11 @@ import hashlib
 import struct
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from rl_engine.models.tp import TPGroup
 from rl_engine.ops import logp as logp_ops
+from rl_engine.runtime.routing import Router
 
 
 def _mix(*values: int) -> int:
@@ -31,9 +31,10 @@ def step_seed(seq_seed: int, step: int) -> int:
     return _mix(seq_seed, step)
 
 
-def full_logits(hidden: torch.Tensor, lm_head: torch.Tensor, *, vocab: int,
-                tp: TPGroup) -> torch.Tensor:
-    """fp32 logits [B, vocab] of final hidden rows [B, H]; vocab shards gathered in rank order.
+def full_logits(hidden: torch.Tensor, lm_head: torch.Tensor, *, vocab: int, tp: TPGroup,
+                router: Router) -> torch.Tensor:
+    """fp32 logits [B, vocab] of final hidden rows [B, H]; vocab shards gathered in rank order
+    (by the logp module's all-gather: bytes only, whichever route).
 
     Rows are multiplied one at a time so a row's logits do not depend on how many rows share the
     batch (a GEMM picks its blocking by shape)."""
@@ -44,8 +45,7 @@ def full_logits(hidden: torch.Tensor, lm_head: torch.Tensor, *, vocab: int,
     width = max(stop - start for start, stop, _ in shards)
     padded = local.new_full((local.shape[0], width), float("-inf"))
     padded[:, :local.shape[1]] = local
-    parts = [torch.empty_like(padded) for _ in range(tp.size)]
-    dist.all_gather(parts, padded, group=tp.group)
+    parts = router.collective("logp", "all_gather", padded, tp.group).split(padded.shape[0])
     return torch.cat([p[:, :stop - start] for p, (start, stop, _) in zip(parts, shards)], dim=1)
 
 

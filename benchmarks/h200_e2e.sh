@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The GPU end-to-end evidence in one command on a host with two H200s: builds the sm_90a extension,
+# then runs, in order of importance, the IPC collective tests, the IPC-vs-NCCL benchmark, strict
+# R/R steps of the `small` model at TP=2 and CP=2 (traced, then the trace gate), the attention
+# gate on two GPUs, the R/R-over-P/P step-time benchmark, an R/R step on one GPU and the ablation
+# matrix. Every step has its own time limit and leaves its log and JSON under $OUT, so a run that
+# is cut short still returns what it finished; steps.tsv says how each step ended.
+#
+#     OUT=h200-results bash benchmarks/h200_e2e.sh
+#
+# DEVICE=cpu PRESET=tiny SKIP_BUILD=1 runs the same plumbing on a CPU machine (the GPU-only steps
+# then fail or skip), to check the script itself.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT="${OUT:?set OUT to the folder for the results}"
+WORK="${WORK:-$(mktemp -d)}"
+PY="${PYTHON:-python3}"
+DEVICE="${DEVICE:-cuda}"
+PRESET="${PRESET:-small}"
+RLK=("$PY" -m rl_engine.cli)
+mkdir -p "$OUT"
+# No NVLink SHARP multicast anywhere: its in-switch sums have no fixed order.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export RLK_STATE_DIR="$WORK/state" PYTHONUNBUFFERED=1
+
+step() {  # step NAME LIMIT_SECONDS COMMAND...: runs it, logs to $OUT/NAME.log, records its end
+  local name=$1 limit=$2 start rc
+  shift 2
+  start=$(date +%s)
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$(($(date +%s) - start))" | tee -a "$OUT/steps.tsv"
+  return $rc
+}
+
+keep() {  # keep RUN_DIR NAME: the run's JSON evidence and log, without its bulky trace and tensors
+  local run=$1 name=$2
+  mkdir -p "$OUT/$name"
+  cp "$run"/*.json "$run"/run.log "$run"/exit-code "$OUT/$name/" 2>/dev/null
+  cp -r "$run/readbacks" "$OUT/$name/" 2>/dev/null
+}
+
+# A strict R/R step of the model, bitwise required: run NAME GPUS TP CP [VAR=VALUE...]; FLAGS
+# holds further `rlk run` flags.
+run() {
+  local name=$1 gpus=$2 tp=$3 cp=$4
+  shift 4
+  step "$name" 240 env CI_TEST=1 "$@" "${RLK[@]}" run --device "$DEVICE" \
+    --model-root "$WORK/model" --tp "$tp" --cp "$cp" --actor-gpus "$gpus" \
+    --rollout-gpus "$gpus" --rollout-gpus-per-engine "$tp" --artifact-dir "$WORK/$name" $FLAGS
+  keep "$WORK/$name" "$name"
+}
+
+nvidia-smi --query-gpu=name,memory.total --format=csv >"$OUT/gpus.csv" 2>&1
+if [[ -z "${SKIP_BUILD:-}" ]]; then
+  step build 300 env MAX_JOBS=16 RLK_BUILD_CUDA=1 "$PY" -m pip install -q --no-deps \
+    --no-build-isolation -e . || exit 1
+fi
+
+step ipc_tests 180 "$PY" -m pytest -q -x -p no:cacheprovider tests/distributed/test_cuda_ipc.py \
+  tests/distributed/test_rank_order_sum_cuda.py
+step ipc_bench 180 "$PY" benchmarks/ipc_collectives.py --out "$OUT/ipc_collectives.json"
+
+step model 120 "${RLK[@]}" model init --preset "$PRESET" --out "$WORK/model"
+FLAGS=--trace run rr-tp2 2 2 1
+step rr-tp2-trace-gate 120 "${RLK[@]}" trace gate --trace "$WORK/rr-tp2/trace" --device "$DEVICE" \
+  --world-size 2 --tp 2 --output "$OUT/rr-tp2-trace-gate.json"
+FLAGS=--trace run rr-cp2 2 1 2
+step rr-cp2-trace-gate 120 "${RLK[@]}" trace gate --trace "$WORK/rr-cp2/trace" --device "$DEVICE" \
+  --world-size 2 --tp 1 --output "$OUT/rr-cp2-trace-gate.json"
+
+for layout in "--world-size 2 --cp 2" "--world-size 2 --tp 2" "--world-size 1"; do
+  # shellcheck disable=SC2086
+  step "attention-gate${layout// /}" 180 "${RLK[@]}" attention-gate --device "$DEVICE" $layout \
+    --output-dir "$OUT/attention-gate"
+done
+
+step step-time 400 "$PY" benchmarks/step_time.py --model "$PRESET" --device "$DEVICE" --repeats 1 \
+  --tp 2 --cp 1 --actor-gpus 2 --rollout-gpus 2 --rollout-gpus-per-engine 2 \
+  --out "$OUT/step_time_h200.json"
+
+FLAGS= run rr-tp1 1 1 1 CUDA_VISIBLE_DEVICES=0
+
+step matrix 600 "${RLK[@]}" matrix run --device "$DEVICE" --workload ci --matrix-root "$WORK/matrix"
+step matrix-analyze 120 "${RLK[@]}" matrix analyze --matrix-root "$WORK/matrix" \
+  --output "$OUT/matrix/matrix-report.json"
+exit 0
