@@ -52,6 +52,8 @@ template __global__ void rc::rlk_ipc_all_reduce_kernel<__nv_bfloat16, 8>(rc::Ipc
 CU
 
 "$NVCC" --version | tail -n 1
-"$NVCC" -std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr \
+# The macros torch's CUDAExtension defines: no implicit half/bf16 conversions or operators.
+"$NVCC" -std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr -D__CUDA_NO_HALF_OPERATORS__ \
+  -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__ \
   -gencode=arch=compute_90a,code=sm_90a -Iinclude -c "$tu" -o "$work/all_headers.o"
 echo "compile_cuda_headers: $(ls include/rl_engine/cuda/*.cuh | wc -l) headers compile for sm_90a"

@@ -2,11 +2,14 @@
 # The GPU end-to-end evidence in one command on a host with two H200s: builds the sm_90a extension,
 # then runs, in order of importance, the IPC collective tests, the IPC-vs-NCCL benchmark, strict
 # R/R steps of the `small` model at TP=2 and CP=2 (traced, then the trace gate), the attention
-# gate on two GPUs, the R/R-over-P/P step-time benchmark, an R/R step on one GPU and the ablation
-# matrix. Every step has its own time limit and leaves its log and JSON under $OUT, so a run that
+# gate on two GPUs, the R/R-over-P/P step-time benchmark, the ablation matrix, and the attention
+# gate at TP=2 and an R/R step on one GPU. Every step has its own time limit and leaves its log and JSON under $OUT, so a run that
 # is cut short still returns what it finished; steps.tsv says how each step ended.
 #
 #     OUT=h200-results bash benchmarks/h200_e2e.sh
+#
+# ARCHIVE=path.tgz also packs $OUT into that one file after every step (for a machine that hands
+# back only a few files).
 #
 # DEVICE=cpu PRESET=tiny SKIP_BUILD=1 runs the same plumbing on a CPU machine (the GPU-only steps
 # then fail or skip), to check the script itself.
@@ -19,10 +22,16 @@ PY="${PYTHON:-python3}"
 DEVICE="${DEVICE:-cuda}"
 PRESET="${PRESET:-small}"
 RLK=("$PY" -m rl_engine.cli)
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$WORK"
 # No NVLink SHARP multicast anywhere: its in-switch sums have no fixed order.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export RLK_STATE_DIR="$WORK/state" PYTHONUNBUFFERED=1
+
+pack() {  # the whole of $OUT in $ARCHIVE, replaced atomically
+  if [[ -n "${ARCHIVE:-}" ]]; then
+    tar -czf "$WORK/archive.tgz" -C "$OUT" . && mv "$WORK/archive.tgz" "$ARCHIVE"
+  fi
+}
 
 step() {  # step NAME LIMIT_SECONDS COMMAND...: runs it, logs to $OUT/NAME.log, records its end
   local name=$1 limit=$2 start rc
@@ -31,6 +40,7 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...: runs it, logs to $OUT/NAME.log, 
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   rc=$?
   printf '%s\t%s\t%s\n' "$name" "$rc" "$(($(date +%s) - start))" | tee -a "$OUT/steps.tsv"
+  pack
   return $rc
 }
 
@@ -50,6 +60,7 @@ run() {
     --model-root "$WORK/model" --tp "$tp" --cp "$cp" --actor-gpus "$gpus" \
     --rollout-gpus "$gpus" --rollout-gpus-per-engine "$tp" --artifact-dir "$WORK/$name" $FLAGS
   keep "$WORK/$name" "$name"
+  pack
 }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv >"$OUT/gpus.csv" 2>&1
@@ -70,19 +81,18 @@ FLAGS=--trace run rr-cp2 2 1 2
 step rr-cp2-trace-gate 120 "${RLK[@]}" trace gate --trace "$WORK/rr-cp2/trace" --device "$DEVICE" \
   --world-size 2 --tp 1 --output "$OUT/rr-cp2-trace-gate.json"
 
-for layout in "--world-size 2 --cp 2" "--world-size 2 --tp 2" "--world-size 1"; do
-  # shellcheck disable=SC2086
-  step "attention-gate${layout// /}" 180 "${RLK[@]}" attention-gate --device "$DEVICE" $layout \
-    --output-dir "$OUT/attention-gate"
-done
+step attention-gate-cp2 180 "${RLK[@]}" attention-gate --device "$DEVICE" --world-size 2 --cp 2 \
+  --output-dir "$OUT/attention-gate"
 
 step step-time 400 "$PY" benchmarks/step_time.py --model "$PRESET" --device "$DEVICE" --repeats 1 \
   --tp 2 --cp 1 --actor-gpus 2 --rollout-gpus 2 --rollout-gpus-per-engine 2 \
   --out "$OUT/step_time_h200.json"
 
-FLAGS= run rr-tp1 1 1 1 CUDA_VISIBLE_DEVICES=0
-
 step matrix 600 "${RLK[@]}" matrix run --device "$DEVICE" --workload ci --matrix-root "$WORK/matrix"
 step matrix-analyze 120 "${RLK[@]}" matrix analyze --matrix-root "$WORK/matrix" \
   --output "$OUT/matrix/matrix-report.json"
+
+step attention-gate-tp2 180 "${RLK[@]}" attention-gate --device "$DEVICE" --world-size 2 --tp 2 \
+  --output-dir "$OUT/attention-gate"
+FLAGS= run rr-tp1 1 1 1 CUDA_VISIBLE_DEVICES=0
 exit 0

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "kernel_counters.h"
 #include "rl_engine/cuda/ipc_collectives.h"
 
 namespace rl_engine::cuda {
@@ -100,6 +101,7 @@ SumDType dtype_of(const at::Tensor& x, const char* op) {
 
 at::Tensor run(IpcKind kind, const char* op, const at::Tensor& x, at::TensorList buffers,
                int64_t rank, const at::Tensor& epochs, int64_t max_blocks) {
+  static constexpr KernelId kIds[] = {kIpcAllGather, kIpcReduceScatter, kIpcAllReduce};
   const int64_t ranks = static_cast<int64_t>(buffers.size());
   TORCH_CHECK(ranks >= 1 && ranks <= ipc_max_ranks(), op, ": between 1 and ",
               std::to_string(ipc_max_ranks()), " buffers, got ", std::to_string(ranks));
@@ -130,6 +132,8 @@ at::Tensor run(IpcKind kind, const char* op, const at::Tensor& x, at::TensorList
   if (kind == IpcKind::kReduceScatter) shape.at(0) /= ranks;
   c10::cuda::CUDAGuard guard(x.device());
   auto out = at::empty(shape, x.options());
+  // Counted even for an empty message: the routing layer asks that an R collective launched.
+  count_launch(kIds[static_cast<int>(kind)], kCuda);
   if (numel == 0) return out;
   const int64_t slot = ipc_slot_elems(kind, numel, static_cast<int>(ranks), es);
   const int64_t per_block = int64_t{512} * (16 / es);

@@ -1,5 +1,6 @@
 // Ids of the kernels whose launches are counted. The Python side reads the names in this order
-// from rl_engine/ops/counters.py; tests/ops/test_counters.py keeps the two lists equal.
+// from rl_engine/ops/counters.py; tests/ops/test_counters.py keeps the two lists equal. The kIpc*
+// kernels (the CUDA IPC collectives) have no CPU implementation.
 #pragma once
 
 namespace rl_engine {
@@ -21,6 +22,9 @@ enum KernelId : int {
   kLogpCombine,
   kLinearLogpBackward,
   kRankOrderSum,
+  kIpcAllGather,
+  kIpcReduceScatter,
+  kIpcAllReduce,
   kNumKernels,
 };
 

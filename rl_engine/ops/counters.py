@@ -12,8 +12,10 @@ KERNELS: tuple[str, ...] = (
     "rmsnorm", "rmsnorm_backward", "rope", "rope_backward", "swiglu", "swiglu_backward",
     "attention_fwd", "attention_decode", "attention_bwd",
     "linear_logp_partial", "logp_combine", "linear_logp_backward",
-    "rank_order_sum",
+    "rank_order_sum", "ipc_all_gather", "ipc_reduce_scatter", "ipc_all_reduce",
 )
+# Kernels with no CPU implementation: the IPC collectives move payloads between GPUs.
+CUDA_ONLY: tuple[str, ...] = ("ipc_all_gather", "ipc_reduce_scatter", "ipc_all_reduce")
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 
 # The backend family each kernel belongs to (its backend id is rlkernel.<family>.<device>.v1).
@@ -24,7 +26,8 @@ FAMILY: dict[str, str] = {
     "attention_fwd": "attention", "attention_decode": "attention", "attention_bwd": "attention",
     "linear_logp_partial": "linear_logp", "logp_combine": "linear_logp",
     "linear_logp_backward": "linear_logp",
-    "rank_order_sum": "collective",
+    "rank_order_sum": "collective", "ipc_all_gather": "collective",
+    "ipc_reduce_scatter": "collective", "ipc_all_reduce": "collective",
 }
 
 

@@ -8,6 +8,7 @@ import torch
 
 from rl_engine.distributed import collectives
 from rl_engine.engines.launch import launch
+from rl_engine.ops import counters
 
 HOPPER2 = (torch.cuda.is_available() and torch.cuda.device_count() >= 2
            and torch.cuda.get_device_capability() == (9, 0))
@@ -83,16 +84,19 @@ def test_ipc_collectives_are_rank_order_sums_on_both_ranks():
     assert failures == [[], []]
 
 
-def _backends(rank: int, world: int) -> dict:
+def _backends(rank: int, world: int) -> tuple[dict, dict]:
     collectives.CALLS.clear()
+    before = counters.read()
     x = torch.ones(8, device="cuda")
     collectives.all_reduce(x, None)
     collectives.all_gather(x, None)
     collectives.reduce_scatter(x, None)
-    return dict(collectives.CALLS)
+    return dict(collectives.CALLS), counters.delta(before, counters.read())
 
 
-def test_ipc_collectives_report_their_backend_ids():
-    counts = launch(_backends, WORLD, device="cuda", timeout=300)[0]
-    assert counts == {f"rlkernel.collective.{k}.cuda_ipc.v1": 1
-                      for k in ("all_reduce", "all_gather", "reduce_scatter")}
+def test_ipc_collectives_report_their_backend_ids_and_count_their_launches():
+    # The routing layer requires an R collective to show a counted rl_engine launch.
+    calls, launched = launch(_backends, WORLD, device="cuda", timeout=300)[0]
+    kinds = ("all_reduce", "all_gather", "reduce_scatter")
+    assert calls == {f"rlkernel.collective.{k}.cuda_ipc.v1": 1 for k in kinds}
+    assert launched == {(f"ipc_{k}", "cuda"): 1 for k in kinds}

@@ -67,10 +67,10 @@ def launches(ops):
 
 
 def test_every_kernel_has_a_launch_here(rl_ops):
-    assert set(launches(rl_ops)) == set(counters.KERNELS)
+    assert set(launches(rl_ops)) == set(counters.KERNELS) - set(counters.CUDA_ONLY)
 
 
-@pytest.mark.parametrize("kernel", counters.KERNELS)
+@pytest.mark.parametrize("kernel", [k for k in counters.KERNELS if k not in counters.CUDA_ONLY])
 def test_each_op_increments_exactly_its_counter(rl_ops, kernel):
     call = launches(rl_ops)[kernel]  # setup launches other kernels; they are not counted below
     before = counters.read()

@@ -82,7 +82,7 @@ __device__ __forceinline__ void ipc_load(const T* p, int64_t i, int64_t limit, b
     return;
   }
 #pragma unroll
-  for (int k = 0; k < V; ++k) v[k] = i + k < limit ? p[i + k] : T(0.0f);
+  for (int k = 0; k < V; ++k) v[k] = i + k < limit ? p[i + k] : from_float<T>(0.0f);
 }
 
 template <typename T, int V>
