@@ -54,6 +54,8 @@ def run(
     trace: bool = typer.Option(False, help="record a torch.profiler trace into trace/"),
     seed: int = typer.Option(0),
     device: str = typer.Option("cpu", help="cpu or cuda"),
+    colocate: bool = typer.Option(True, help="training and rollout share GPUs, one after the other; "
+                                             "--no-colocate puts rollout on the next ROLLOUT_GPUS"),
 ) -> int:
     """Run post-training steps under the plan of RL_KERNEL_*_CASE (default: the R/R control)."""
     from rl_engine import envs
@@ -66,7 +68,7 @@ def run(
         workload, steps=steps, tp=tp, cp=cp, actor_gpus=actor_gpus, rollout_gpus=rollout_gpus,
         rollout_gpus_per_engine=rollout_gpus_per_engine, rollout_batch_size=rollout_batch_size,
         n_samples_per_prompt=n_samples_per_prompt, max_response_len=max_response_len,
-        max_tokens_per_gpu=max_tokens_per_gpu, seed=seed, device=device)
+        max_tokens_per_gpu=max_tokens_per_gpu, seed=seed, device=device, colocate=colocate)
     rid, root = resolve_run(run_id, artifact_dir)
     return execute(config=config, plan=plan, run_id=rid, root=root,
                    model_root=model_root or envs.MODEL_ROOT, prompt_file=prompt_data or envs.PROMPT_DATA,

@@ -119,7 +119,7 @@ def _log_to_run_log() -> None:
 
 
 def _worker(rank: int, world: int, port: int, payload: bytes, results, device: str,
-            parent_pid: int) -> None:
+            parent_pid: int, first_gpu: int = 0) -> None:
     # fn and its arguments arrive as bytes and are unpickled only here, after the death signal is
     # armed: unpickling imports torch and the engines, seconds during which the parent may die.
     _die_with_parent(parent_pid)
@@ -132,7 +132,7 @@ def _worker(rank: int, world: int, port: int, payload: bytes, results, device: s
     torch.set_num_threads(1)
     _log_to_run_log()
     try:
-        init_rank(rank, world, f"tcp://127.0.0.1:{port}", device, local_rank=rank)
+        init_rank(rank, world, f"tcp://127.0.0.1:{port}", device, local_rank=first_gpu + rank)
         out = fn(rank, world, *args)
         if device == "cuda":
             out = to_cpu(out)
@@ -152,9 +152,10 @@ def _worker(rank: int, world: int, port: int, payload: bytes, results, device: s
 
 
 def launch(fn: Callable[..., Any], world: int, *, args: tuple = (), timeout: float | None = None,
-           device: str = "cpu") -> list[Any]:
+           device: str = "cpu", first_gpu: int = 0) -> list[Any]:
     """Runs fn(rank, world, *args) on `world` ranks on `device` (cpu or cuda); returns their
-    results in rank order."""
+    results in rank order. On CUDA rank r takes GPU first_gpu + r of this machine (Ray places its
+    ranks itself)."""
     if device not in DEVICES:
         raise ValueError(f"device {device!r}: use cpu or cuda")
     if envs.RLK_LAUNCHER == "ray":
@@ -163,18 +164,19 @@ def launch(fn: Callable[..., Any], world: int, *, args: tuple = (), timeout: flo
         if device == "cpu":
             return launch_ray(fn, world, args=args, timeout=timeout)
         return launch_ray(fn, world, args=args, timeout=timeout, gpus_per_rank=1, device=device)
-    check_devices(world, device)
-    return _launch_local(fn, world, args=args, timeout=timeout, device=device)
+    check_devices(first_gpu + world if device == "cuda" else world, device)
+    return _launch_local(fn, world, args=args, timeout=timeout, device=device, first_gpu=first_gpu)
 
 
 def _launch_local(fn, world: int, *, args: tuple, timeout: float | None,
-                  device: str = "cpu") -> list[Any]:
+                  device: str = "cpu", first_gpu: int = 0) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     payload = pickle.dumps((fn, args))
     procs = [ctx.Process(target=_worker, args=(r, world, port, payload, results, device,
-                                               os.getpid()), daemon=True) for r in range(world)]
+                                               os.getpid(), first_gpu), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}

@@ -42,11 +42,14 @@ class StepConfig:
     steps: int = 1
     seed: int = 0
     device: str = "cpu"
+    # Training and rollout on the same GPUs, one after the other (colocated), or rollout on the
+    # ROLLOUT_GPUS after the trainer's ACTOR_GPUS.
+    colocate: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, int) and f.name != "seed" and value < 1:
+            if isinstance(value, int) and not isinstance(value, bool) and f.name != "seed" and value < 1:
                 raise BadInput(f"{_ENV.get(f.name, f.name)}={value} must be at least 1")
         if self.actor_gpus % (self.tp * self.cp):
             raise BadInput(f"ACTOR_GPUS={self.actor_gpus} is not a multiple of TP_SIZE x CP_SIZE = "
@@ -65,6 +68,17 @@ class StepConfig:
         return self.actor_gpus // (self.tp * self.cp)
 
     @property
+    def gpus(self) -> int:
+        """GPUs of this machine the layout takes on CUDA."""
+        if self.colocate:
+            return max(self.actor_gpus, self.rollout_gpus)
+        return self.actor_gpus + self.rollout_gpus
+
+    @property
+    def rollout_first_gpu(self) -> int:
+        return 0 if self.colocate else self.actor_gpus
+
+    @property
     def engines(self) -> int:
         return self.rollout_gpus // self.rollout_gpus_per_engine
 
@@ -78,7 +92,7 @@ class StepConfig:
 
     def as_dict(self) -> dict:
         body = dataclasses.asdict(self)
-        body.update(dp=self.dp, engines=self.engines, global_batch_size=self.global_batch_size,
+        body.update(dp=self.dp, engines=self.engines, gpus=self.gpus, global_batch_size=self.global_batch_size,
                     numel_per_step=self.numel_per_step)
         return body
 

@@ -116,10 +116,11 @@ def check_device(plan: Plan, config: StepConfig) -> None:
     if envs.RLK_LAUNCHER == "ray":
         return
     try:
-        check_devices(max(config.actor_gpus, config.rollout_gpus), config.device)
+        check_devices(config.gpus, config.device)
     except ValueError as exc:
-        raise BadInput(f"ACTOR_GPUS={config.actor_gpus}, ROLLOUT_GPUS={config.rollout_gpus}: "
-                       f"{exc}") from None
+        placed = "colocated" if config.colocate else "on separate GPUs"
+        raise BadInput(f"ACTOR_GPUS={config.actor_gpus}, ROLLOUT_GPUS={config.rollout_gpus} "
+                       f"{placed}: {exc}") from None
     preflight.require(plan, config.device)
 
 
@@ -143,6 +144,7 @@ def run_steps(*, plan: Plan, config: StepConfig, inputs: Inputs, run: RunDir, ru
                          seed=config.seed + 1000 * step, engines=config.engines,
                          tp=config.rollout_gpus_per_engine, run_dir=run.root, run_id=run_id,
                          trace_dir=run.trace if trace else None, device=config.device,
+                         first_gpu=config.rollout_first_gpu,
                          extra={"step": step})
         samples, results = run_rollout(job)
         synced = {r["weights_checksum"] for r in results}

@@ -69,3 +69,11 @@ def test_a_run_directory_is_never_reused(tmp_path):
     (run.root / "run.log").write_text("x")
     with pytest.raises(BadInput, match="already holds a run"):
         run_dir.create(tmp_path / "r1")
+
+
+def test_placement_sets_the_gpus_a_layout_takes():
+    shared = StepConfig.resolve("default")
+    assert shared.colocate and (shared.gpus, shared.rollout_first_gpu) == (4, 0)
+    separate = StepConfig.resolve("default", colocate=False)
+    assert (separate.gpus, separate.rollout_first_gpu) == (8, 4)
+    assert separate.as_dict()["colocate"] is False and separate.as_dict()["gpus"] == 8

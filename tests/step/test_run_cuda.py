@@ -95,3 +95,35 @@ def test_launch_refuses_a_cuda_world_larger_than_the_gpus():
         launch(print, visible + 1, device="cuda")
     with pytest.raises(ValueError, match="device 'tpu'"):
         launch(print, 1, device="tpu")
+
+
+HOPPER2 = HOPPER and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.skipif(not HOPPER2, reason="needs two Hopper (sm_90) CUDA GPUs")
+def test_control_at_tp2_is_bitwise_over_the_ipc_collectives(rlk, tmp_path):
+    run_dir = tmp_path / "tp2"
+    proc = rlk("run", "--device", "cuda", "--workload", "ci", "--artifact-dir", str(run_dir),
+               env={"TP_SIZE": "2", "CP_SIZE": "1", "ACTOR_GPUS": "2", "ROLLOUT_GPUS": "2",
+                    "ROLLOUT_GPUS_PER_ENGINE": "2", "CI_TEST": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((run_dir / "bitwise-validation.json").read_text())
+    assert report["passed"] and report["bitwise"] and report["mismatch_count"] == 0
+    for r in _readbacks(run_dir):
+        assert r["collective_transport"] == {"communication_backend": "cuda_ag_rs",
+                                             "fallback_allowed": False, "fallback": False}
+        assert not [k for k in r["collective_calls"] if k.startswith("production.")]
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.skipif(not HOPPER2, reason="needs two Hopper (sm_90) CUDA GPUs")
+def test_rollout_on_its_own_gpu_is_bitwise(rlk, tmp_path):
+    run_dir = tmp_path / "separate"
+    proc = rlk("run", "--device", "cuda", "--workload", "ci", "--no-colocate", "--artifact-dir",
+               str(run_dir), env={**ONE_GPU, "CI_TEST": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    devices = {r["side"]: r["device"] for r in _readbacks(run_dir)}
+    assert devices == {"training": "cuda:0", "rollout": "cuda:1"}

@@ -42,6 +42,7 @@ class RolloutJob:
     run_id: str | None = None
     trace_dir: Path | None = None    # record a torch.profiler trace of each rank there
     device: str = "cpu"              # cpu, or cuda: one GPU per rank
+    first_gpu: int = 0               # on CUDA rank r takes GPU first_gpu + r
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -102,7 +103,8 @@ def run_rollout(job: RolloutJob, *,
                 timeout: float | None = None) -> tuple[list[Sample], list[dict]]:
     """Runs the job's ranks; returns every sample in prompt-major order and each rank's result.
     The TP ranks of an engine must agree on every token and log-prob bit."""
-    results = launch(rollout_worker, job.world, args=(job,), timeout=timeout, device=job.device)
+    results = launch(rollout_worker, job.world, args=(job,), timeout=timeout, device=job.device,
+                     first_gpu=job.first_gpu)
     merged: dict[tuple[int, int], dict] = {}
     for res in results:
         for s in res["samples"]:
