@@ -3,7 +3,7 @@
 # then runs, in order of importance, the IPC collective tests, the IPC-vs-NCCL benchmark, strict
 # R/R steps of the `small` model at TP=2 and CP=2 (traced, then the trace gate), the attention
 # gate on two GPUs, the R/R-over-P/P step-time benchmark, the ablation matrix, and the attention
-# gate at TP=2 and an R/R step on one GPU. Every step has its own time limit and leaves its log and JSON under $OUT, so a run that
+# gate at TP=2, an R/R step on one GPU and every CUDA test. Every step has its own time limit and leaves its log and JSON under $OUT, so a run that
 # is cut short still returns what it finished; steps.tsv says how each step ended.
 #
 #     OUT=h200-results bash benchmarks/h200_e2e.sh
@@ -95,4 +95,5 @@ step matrix-analyze 120 "${RLK[@]}" matrix analyze --matrix-root "$WORK/matrix" 
 step attention-gate-tp2 180 "${RLK[@]}" attention-gate --device "$DEVICE" --world-size 2 --tp 2 \
   --output-dir "$OUT/attention-gate"
 FLAGS= run rr-tp1 1 1 1 CUDA_VISIBLE_DEVICES=0
+step cuda_tests 600 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests
 exit 0
