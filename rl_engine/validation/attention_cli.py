@@ -18,7 +18,8 @@ def attention_gate(
     cp: int = typer.Option(1, help="context parallel size: splits each sequence in 2*CP chunks"),
     device: str = typer.Option("cpu", help="cpu (gloo ranks) or cuda (one GPU per rank, NCCL)"),
     transport: str = typer.Option(None, help="CP exchange, comma-separated for several in one "
-                                             "launch: p2p_reference or cpu_ag_rs on cpu, "
+                                             "launch: p2p_reference (the runbooks' "
+                                             "p2p_nccl_reference) or cpu_ag_rs on cpu, "
                                              "p2p_reference or cuda_ag_rs on cuda; default: both "
                                              "of the device"),
     dtype: str = typer.Option("bf16", help="bf16, fp16 or fp32"),

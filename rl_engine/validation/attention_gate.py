@@ -41,6 +41,8 @@ from rl_engine.runtime.routing import Router
 DEVICES = ("cpu", "cuda")
 # The CP transports of each device: point to point, or the fixed-order collectives of that device.
 TRANSPORTS = {"cpu": ("p2p_reference", "cpu_ag_rs"), "cuda": ("p2p_reference", "cuda_ag_rs")}
+# The runbooks' names for the same transports.
+ALIASES = {"p2p_nccl_reference": "p2p_reference"}
 TENSORS = ("out", "lse", "dq", "dk", "dv")
 CORE_IDS = {"cpu": "rlkernel.attention.cpu.v1", "cuda": "rlkernel.attention.sm90.v1"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -69,6 +71,7 @@ class GateConfig:
             raise BadInput(f"--device {self.device!r}: use cpu or cuda")
         if self.transports is None:
             object.__setattr__(self, "transports", TRANSPORTS[self.device])
+        object.__setattr__(self, "transports", tuple(ALIASES.get(t, t) for t in self.transports))
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", HEAD_DIM[self.device])
         for name in ("world_size", "tp", "cp", "heads", "kv_heads", "head_dim", "repeats"):

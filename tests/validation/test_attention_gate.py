@@ -152,6 +152,11 @@ def test_each_device_defaults_to_its_own_transports_and_head_dim():
                                                            "rlkernel.attention.sm90.v1")
 
 
+def test_the_runbooks_name_of_the_point_to_point_transport_is_accepted():
+    cfg = gate.GateConfig(world_size=2, cp=2, transports=("p2p_nccl_reference", "cpu_ag_rs"))
+    assert cfg.transports == ("p2p_reference", "cpu_ag_rs")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU")
 def test_cuda_without_a_gpu_exits_2_before_any_rank_starts(capsys, tmp_path):
     from rl_engine.cli import main
