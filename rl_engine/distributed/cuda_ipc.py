@@ -21,6 +21,7 @@ from rl_engine.ops import _lib
 
 TRANSPORT = "cuda_ag_rs"
 KINDS: dict[str, int] = {"all_gather": 0, "reduce_scatter": 1, "all_reduce": 2}
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Smallest staging area; it doubles until a message fits.
 MIN_STAGE_BYTES = 1 << 20
 
@@ -89,6 +90,9 @@ class Communicator:
 
     def run(self, kind: str, x: torch.Tensor) -> torch.Tensor:
         x = x.detach().contiguous()
+        if x.dtype not in DTYPES:
+            raise TypeError(f"cuda_ipc {kind}: {x.dtype} tensors are not summed here; the IPC "
+                            "collectives take bf16, fp16 or fp32")
         if x.device != self.device:
             raise ValueError(f"cuda_ipc: tensor on {x.device}, this rank's GPU is {self.device}")
         op = getattr(_lib.ops(), f"ipc_{kind}")

@@ -84,3 +84,11 @@ def test_transport_record_names_what_carried_the_fixed_collectives():
     finally:
         collectives.CALLS.clear()
         collectives.CALLS.update(saved)
+
+
+def test_ipc_collectives_refuse_a_dtype_they_do_not_sum():
+    from rl_engine.distributed import cuda_ipc
+
+    comm = cuda_ipc.Communicator.__new__(cuda_ipc.Communicator)  # no GPU needed for the check
+    with pytest.raises(TypeError, match="bf16, fp16 or fp32"):
+        comm.run("all_reduce", torch.ones(4, dtype=torch.int64))
