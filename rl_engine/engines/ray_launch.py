@@ -22,6 +22,10 @@ from rl_engine.errors import BadInput, InfrastructureError
 # Settings of the launching process that its ranks need too (actors start with the cluster's
 # environment, not the driver's).
 FORWARDED_ENV = ("RLK_RUN_LOG",)
+# Ray shows a GPU actor only its own GPU (CUDA_VISIBLE_DEVICES). The CUDA IPC collectives map the
+# peers' buffers, which needs the peers' GPUs visible, so CUDA ranks keep the host's view and take
+# the GPU Ray assigned them.
+KEEP_ALL_GPUS = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
@@ -71,6 +75,10 @@ def _rank_actor_class():
         def address(self) -> str:
             return ray.util.get_node_ip_address()
 
+        def gpu(self) -> tuple[str | None, list[int]]:
+            """CUDA_VISIBLE_DEVICES as this actor sees it, and the GPUs Ray assigned it."""
+            return os.environ.get("CUDA_VISIBLE_DEVICES"), [int(i) for i in ray.get_gpu_ids()]
+
         def free_port(self) -> int:
             from rl_engine.engines.launch import free_port
 
@@ -86,8 +94,8 @@ def _rank_actor_class():
             os.environ.update(env)
             torch.set_num_threads(1)
             _log_to_run_log()
-            # Ray shows a GPU actor only its own GPU(s), so local rank 0 is the right one.
-            init_rank(rank, world, init, device, local_rank=0)
+            init_rank(rank, world, init, device,
+                      local_rank=self.gpu()[1][0] if device == "cuda" else 0)
             out = fn(rank, world, *args)
             if device == "cuda":
                 out = to_cpu(out)
@@ -111,6 +119,20 @@ def _failure(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def actor_options(pg, bundle: int, gpus_per_rank: float, device: str) -> dict[str, Any]:
+    """Where and how the actor of one rank starts: its bundle of the launch's placement group, and
+    on CUDA the host's whole GPU view (KEEP_ALL_GPUS)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    options: dict[str, Any] = {
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=bundle),
+        "num_cpus": 1, "num_gpus": gpus_per_rank}
+    if device == "cuda":
+        options["runtime_env"] = {"env_vars": dict(KEEP_ALL_GPUS)}
+    return options
+
+
 def launch_ray(fn: Callable[..., Any], world: int, *, args: tuple = (), timeout: float | None = None,
                gpus_per_rank: float = 0, device: str = "cpu") -> list[Any]:
     if "ray" not in sys.modules or not sys.modules["ray"].is_initialized():
@@ -118,10 +140,11 @@ def launch_ray(fn: Callable[..., Any], world: int, *, args: tuple = (), timeout:
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
     from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     bundle = {"CPU": 1, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
-    pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
+    # CUDA ranks share memory over IPC, which only works between the GPUs of one host.
+    pg = placement_group([dict(bundle) for _ in range(world)],
+                         strategy="STRICT_PACK" if device == "cuda" else "PACK")
     actors = []
     try:
         try:
@@ -130,9 +153,8 @@ def launch_ray(fn: Callable[..., Any], world: int, *, args: tuple = (), timeout:
             raise WorkerFailed(f"Ray could not place {world} ranks of {bundle} within "
                                f"{envs.RLK_WORKER_START_TIMEOUT} s") from None
         actor_cls = _rank_actor_class()
-        actors = [actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=r), num_cpus=1,
-            num_gpus=gpus_per_rank).remote() for r in range(world)]
+        actors = [actor_cls.options(**actor_options(pg, r, gpus_per_rank, device)).remote()
+                  for r in range(world)]
         try:
             host = ray.get(actors[0].address.remote(), timeout=envs.RLK_WORKER_START_TIMEOUT)
             port = ray.get(actors[0].free_port.remote(), timeout=envs.RLK_WORKER_START_TIMEOUT)

@@ -126,3 +126,42 @@ def test_the_jobs_api_address_is_refused_outside_a_job(monkeypatch):
     assert cluster_address() == "auto"
     monkeypatch.setenv("RLK_RAY_ADDRESS", "10.0.0.1:6379")
     assert cluster_address() == "10.0.0.1:6379"
+
+
+# Two actors placed as CUDA ranks on a head that declares two (fake) GPUs.
+GPU_VIEW = r'''
+import json, sys
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from rl_engine.engines import ray_launch
+
+ray.init(address=sys.argv[1])
+pg = placement_group([{"CPU": 1, "GPU": 1}] * 2, strategy="STRICT_PACK")
+ray.get(pg.ready(), timeout=120)
+cls = ray_launch._rank_actor_class()
+actors = [cls.options(**ray_launch.actor_options(pg, r, 1, "cuda")).remote() for r in range(2)]
+print("RESULT " + json.dumps(ray.get([a.gpu.remote() for a in actors], timeout=120)))
+remove_placement_group(pg)
+'''
+
+
+@pytest.mark.slow
+def test_cuda_ranks_see_every_gpu_and_know_their_own():
+    """Ray would hide the peers' GPUs from each CUDA rank, which CUDA IPC cannot map; the actors
+    keep the host's view and each takes a different GPU that Ray assigned."""
+    from rl_engine.stack import ray_head
+
+    h = ray_head.start(num_cpus=2, num_gpus=2)
+    try:
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("RAY_") and k != "CUDA_VISIBLE_DEVICES"}
+        env.update(RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+        proc = subprocess.run([sys.executable, "-c", GPU_VIEW, h.gcs_address], env=env,
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        h.stop()
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    views = json.loads(lines[-1].removeprefix("RESULT "))
+    assert [visible for visible, _ in views] == [None, None]
+    assert sorted(ids[0] for _, ids in views) == [0, 1]
