@@ -100,8 +100,7 @@ def transport_record() -> dict:
     """What carried this process's fixed-order collectives: `cuda_ag_rs` (CUDA IPC), `cpu_ag_rs`
     (gloo) or None when none ran. There is no fallback path, so a collective that did not run on
     these transports shows as a production backend id in CALLS, never as a fallback here."""
-    fixed = sorted(k for k in CALLS if k.startswith("rlkernel.collective."))
-    tags = {k.split(".")[3] for k in fixed}
-    names = sorted({"cuda_ag_rs" if t == "cuda_ipc" else "cpu_ag_rs" for t in tags})
+    names = sorted({cuda_ipc.TRANSPORT if ".cuda_ipc." in k else "cpu_ag_rs"
+                    for k in CALLS if k.startswith("rlkernel.collective.")})
     return {"communication_backend": ",".join(names) or None, "fallback_allowed": False,
             "fallback": False}

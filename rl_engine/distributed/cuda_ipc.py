@@ -14,6 +14,8 @@ stream at a time, in the same order on every rank of the group, like any collect
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -47,15 +49,15 @@ class Communicator:
                                  f"{max_ranks} GPUs of one host")
         self.flag_bytes = flag_bytes
         self.epochs = torch.zeros(max_blocks, dtype=torch.int64, device=self.device)
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         # One block per SM at most: the per-block barriers need every block of a grid resident.
-        self.max_blocks = min(max_blocks, sms)
+        self.max_blocks = min(max_blocks, self.sms)
         self.stage_bytes = 0
         self.buffers: list[torch.Tensor] = []
 
     def buffers_for(self, kind: str, x: torch.Tensor) -> list[torch.Tensor]:
         numel = x.numel() // self.world if kind == "reduce_scatter" else x.numel()
-        need = _lib.ops().ipc_layout(KINDS[kind], numel, self.world, x.element_size())[1]
+        need = _stage_bytes(kind, numel, self.world, x.element_size())
         if need > self.stage_bytes:
             self._grow(need)
         return self.buffers
@@ -70,9 +72,8 @@ class Communicator:
             stage *= 2
         # Every rank's kernels on the old buffers end before any rank frees them.
         torch.cuda.synchronize(self.device)
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         agreed: list = [None] * self.world
-        dist.all_gather_object(agreed, (sms, stage), group=self.group)
+        dist.all_gather_object(agreed, (self.sms, stage), group=self.group)
         if len({a for a in agreed}) != 1:
             raise IpcUnavailable(f"ranks disagree on (SMs, staging bytes): {agreed}; the IPC "
                                  "collectives need the same GPU model and the same calls on every rank")
@@ -97,6 +98,13 @@ class Communicator:
             raise ValueError(f"cuda_ipc: tensor on {x.device}, this rank's GPU is {self.device}")
         op = getattr(_lib.ops(), f"ipc_{kind}")
         return op(x, self.buffers_for(kind, x), self.rank, self.epochs, self.max_blocks)
+
+
+@functools.lru_cache(maxsize=1024)
+def _stage_bytes(kind: str, numel: int, world: int, element_size: int) -> int:
+    """Staging bytes a collective needs (the extension's layout), asked once per message shape:
+    the same shapes recur every layer and every decode step."""
+    return _lib.ops().ipc_layout(KINDS[kind], numel, world, element_size)[1]
 
 
 # One communicator per process group (keyed by the group object, which it keeps alive) and GPU.

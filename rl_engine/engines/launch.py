@@ -164,7 +164,7 @@ def launch(fn: Callable[..., Any], world: int, *, args: tuple = (), timeout: flo
         if device == "cpu":
             return launch_ray(fn, world, args=args, timeout=timeout)
         return launch_ray(fn, world, args=args, timeout=timeout, gpus_per_rank=1, device=device)
-    check_devices(first_gpu + world if device == "cuda" else world, device)
+    check_devices(first_gpu + world, device)
     return _launch_local(fn, world, args=args, timeout=timeout, device=device, first_gpu=first_gpu)
 
 

@@ -31,20 +31,22 @@ def _inputs(rank: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
     return x.to(dtype)
 
 
-def _rank_order_sum(dtype: torch.dtype, numel: int) -> torch.Tensor:
-    acc = _inputs(0, dtype, numel).float()
-    for r in range(1, WORLD):
-        acc = acc + _inputs(r, dtype, numel).float()
-    return acc.to(dtype)
+def _rank_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Plain torch: fp32 adds in rank order, one rounding to the parts' dtype."""
+    acc = parts[0].float()
+    for p in parts[1:]:
+        acc = acc + p.float()
+    return acc.to(parts[0].dtype)
 
 
 def _check(rank: int, world: int) -> list[str]:
     """Failures seen on this rank; each rank recomputes every rank's inputs for the references."""
     bad = []
     for dtype, numel in CASES:
-        x = _inputs(rank, dtype, numel)
-        ref = _rank_order_sum(dtype, numel)
-        gathered = torch.cat([_inputs(r, dtype, numel) for r in range(world)])
+        parts = [_inputs(r, dtype, numel) for r in range(world)]
+        x = parts[rank]
+        ref = _rank_order_sum(parts)
+        gathered = torch.cat(parts)
         share = -(-numel // world)
         padded = torch.cat([ref, ref.new_zeros(share * world - numel)])
         xs = torch.cat([x, x.new_zeros(share * world - numel)])
@@ -57,7 +59,7 @@ def _check(rank: int, world: int) -> list[str]:
             for kind in got:
                 if not torch.equal(got[kind], want[kind]):
                     bad.append(f"rank {rank} {kind} {dtype} x{numel} attempt {attempt}")
-        del x, ref, gathered, padded, xs
+        del parts, x, ref, gathered, padded, xs
     # A tensor that starts 2 bytes into its storage takes the scalar path; same bits.
     base = _inputs(rank, torch.bfloat16, 1001)
     want = torch.cat([_inputs(r, torch.bfloat16, 1001)[1:] for r in range(world)])
@@ -71,10 +73,10 @@ def _check(rank: int, world: int) -> list[str]:
     with torch.cuda.graph(graph):
         out = collectives.all_reduce(static, None)
     for n in (4 * MIB, 4 * MIB + 1):
-        static.copy_(_inputs(rank, torch.bfloat16, n)[:4 * MIB])
+        parts = [_inputs(r, torch.bfloat16, n)[:4 * MIB] for r in range(world)]
+        static.copy_(parts[rank])
         graph.replay()
-        ref = (_inputs(0, torch.bfloat16, n).float() + _inputs(1, torch.bfloat16, n).float())
-        if not torch.equal(out, ref[:4 * MIB].bfloat16()):
+        if not torch.equal(out, _rank_order_sum(parts)):
             bad.append(f"rank {rank} graph replay {n}")
     return bad
 

@@ -23,9 +23,7 @@ from rl_engine.cli import main
 from rl_engine.matrix import analyze, evidence, history, runner, tables
 from rl_engine.runtime.plan import ISOLATION_CELLS, MODULES, cell_plan
 from rl_engine.step.config import StepConfig
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-import fake_run  # noqa: E402
+from fixtures import fake_run
 
 D = 8
 CONFIG = StepConfig.resolve("ci", tp=2, cp=1, actor_gpus=2, rollout_gpus=2, rollout_gpus_per_engine=2,

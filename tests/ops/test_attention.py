@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rl_engine.ops import counters
+from seeded import randn
 
 HQ, HKV = 8, 4  # GQA: two q heads per kv head
 BLOCK = 16  # kv_block_size; also the backward's query chunk
@@ -17,11 +18,6 @@ LENS = [23, 40, 9]  # a packed batch; 40 spans three KV blocks with a partial la
 # rounding of the result, and dq/dk/dv also inherit the bf16 rounding of the saved `out`.
 FWD_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
 BWD_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
-
-
-def randn(*shape, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(dtype)
 
 
 def packed(lens, d, dtype, seed=0):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rl_engine.ops import attention, counters, linear
+from seeded import randn
 
 HEADER = Path(__file__).resolve().parents[2] / "include" / "rl_engine" / "kernel_ids.h"
 
@@ -25,10 +26,6 @@ def test_python_names_follow_the_header_enum(rl_ops):
     assert list(counters.KERNELS) == header_kernels()
     assert tuple(rl_ops.kernel_counters().shape) == (len(counters.KERNELS), len(counters.DEVICES))
     assert set(counters.FAMILY) == set(counters.KERNELS)
-
-
-def randn(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def launches(ops):

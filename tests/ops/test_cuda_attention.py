@@ -4,12 +4,14 @@ context-parallel use (a rank's query chunks against the gathered prefix, dK/dV a
 order) equals one call; every output within a stated tolerance of a float64 torch reference.
 Skipped without a Hopper GPU."""
 
+import functools
 import math
 
 import pytest
 import torch
 
 from rl_engine.ops import counters
+import seeded
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = [pytest.mark.cuda,
@@ -28,9 +30,7 @@ def ops(rl_ops):
     return rl_ops
 
 
-def randn(*shape, dtype, seed):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    return torch.randn(*shape, generator=g, device=DEV).to(dtype)
+randn = functools.partial(seeded.randn, device=DEV)
 
 
 def i32(values):

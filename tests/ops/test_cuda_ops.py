@@ -2,11 +2,14 @@
 positions and vocab splits), agreement with plain-torch references in float64 within stated
 tolerances, launch counters, and the op contracts (opcheck). Skipped without a Hopper GPU."""
 
+import functools
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+import seeded
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = [pytest.mark.cuda,
@@ -24,9 +27,7 @@ def ops(rl_ops):
     return rl_ops
 
 
-def randn(*shape, dtype=torch.bfloat16, seed=0, scale=1.0):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    return (torch.randn(*shape, generator=g, device=DEV) * scale).to(dtype)
+randn = functools.partial(seeded.randn, dtype=torch.bfloat16, device=DEV)
 
 
 def rel(out, ref):

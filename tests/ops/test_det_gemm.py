@@ -5,6 +5,8 @@ agreement with fp32 torch matmuls, and the op contracts (opcheck)."""
 import pytest
 import torch
 
+from seeded import randn
+
 K, N = 100, 48  # K is not a multiple of the 8 accumulation lanes, so the tail path runs too
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Tolerances against the fp32 torch reference rounded to the output dtype: the summation orders
@@ -15,11 +17,6 @@ TOL = {
     torch.float16: dict(rtol=2e-3, atol=2e-3),
 }
 FP32_TOL = TOL[torch.float32]
-
-
-def randn(*shape, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(dtype)
 
 
 def embed(rows, offset, total, seed):

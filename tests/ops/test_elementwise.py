@@ -6,6 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from seeded import randn
+
 H = 100  # not a multiple of the 8 accumulation lanes, so the tail path runs too
 HEADS, D = 3, 64
 INTER = 40
@@ -20,11 +22,6 @@ TOL = {
     torch.float16: dict(rtol=2e-3, atol=2e-3),
 }
 FP32_TOL = TOL[torch.float32]
-
-
-def randn(*shape, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(dtype)
 
 
 # Plain-torch references, in fp32.

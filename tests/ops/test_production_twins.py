@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from rl_engine.ops import attention, linear, logp, norm, rope, swiglu
+from seeded import randn
 
 HQ, HKV, D = 8, 4, 64  # the tiny preset's heads
 HIDDEN, INTER, VOCAB = 256, 768, 4096
@@ -28,11 +29,6 @@ SCALE = D ** -0.5
 # intermediates (rope's cos/sin, the logits, decode's softmax weights) to bf16 as well.
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-def randn(*shape, seed, scale=1.0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(dtype)
 
 
 def sequence(t, dtype, seed=0):

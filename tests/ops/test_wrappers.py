@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rl_engine.ops import attention, linear, logp, norm, rope, swiglu
+from seeded import randn
 
 HQ, HKV, D = 8, 4, 64
 EPS = 1e-6
@@ -16,11 +17,6 @@ THETA = 1_000_000.0
 TOL = dict(rtol=1e-5, atol=1e-5)
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor",
                  "test_aot_dispatch_dynamic")
-
-
-def randn(*shape, seed, scale=1.0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(dtype)
 
 
 def leaves(*tensors):

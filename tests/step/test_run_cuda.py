@@ -14,6 +14,12 @@ ONE_GPU = {"TP_SIZE": "1", "CP_SIZE": "1", "ACTOR_GPUS": "1", "ROLLOUT_GPUS": "1
 PP = {"RL_KERNEL_ATTENTION_CASE": "P/P", "RL_KERNEL_FFN_CASE": "P/P", "RL_KERNEL_LOGP_CASE": "P/P"}
 
 
+def _run_ci(rlk, run_dir, env, *flags):
+    """`rlk run --device cuda --workload ci` into run_dir, with env and further flags."""
+    return rlk("run", "--device", "cuda", "--workload", "ci", "--artifact-dir", str(run_dir), *flags,
+               env=env)
+
+
 def _readbacks(run_dir):
     return [json.loads(p.read_text()) for p in (run_dir / "readbacks").glob("*.json")]
 
@@ -23,8 +29,7 @@ def _readbacks(run_dir):
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm_90) CUDA GPU")
 def test_control_on_one_gpu_is_bitwise_with_sm90_kernels(rlk, tmp_path):
     run_dir = tmp_path / "control"
-    proc = rlk("run", "--device", "cuda", "--workload", "ci", "--artifact-dir", str(run_dir),
-               "--run-id", "cuda-ctl", env={**ONE_GPU, "CI_TEST": "1"})
+    proc = _run_ci(rlk, run_dir, {**ONE_GPU, "CI_TEST": "1"}, "--run-id", "cuda-ctl")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ("train_current_rollout_logprob_numel=64 train_current_rollout_logprob_mismatch_count=0 "
             "train_current_rollout_logprob_max_abs_diff=0.0") in proc.stdout
@@ -52,8 +57,7 @@ def test_control_on_one_gpu_is_bitwise_with_sm90_kernels(rlk, tmp_path):
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm_90) CUDA GPU")
 def test_baseline_on_one_gpu_reports_a_mismatch(rlk, tmp_path):
     run_dir = tmp_path / "baseline"
-    proc = rlk("run", "--device", "cuda", "--workload", "ci", "--artifact-dir", str(run_dir),
-               env={**ONE_GPU, **PP, "VALIDATE_ARTIFACTS": "1"})
+    proc = _run_ci(rlk, run_dir, {**ONE_GPU, **PP, "VALIDATE_ARTIFACTS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((run_dir / "bitwise-validation.json").read_text())
     assert report["evidence_complete"] and report["mismatch_count"] > 0 and not report["bitwise"]
@@ -68,8 +72,7 @@ def test_more_ranks_than_gpus_is_refused_before_any_rank_starts(rlk, tmp_path):
     layout = {"TP_SIZE": "1", "CP_SIZE": "1", "ACTOR_GPUS": str(world), "ROLLOUT_GPUS": "1",
               "ROLLOUT_GPUS_PER_ENGINE": "1", "N_SAMPLES_PER_PROMPT": str(world)}
     run_dir = tmp_path / "too-many"
-    proc = rlk("run", "--device", "cuda", "--workload", "ci", "--artifact-dir", str(run_dir),
-               env=layout)
+    proc = _run_ci(rlk, run_dir, layout)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"world {world} needs {world} GPUs, {gpus} visible" in proc.stderr
     assert not list(run_dir.rglob("*.json"))  # refused before the manifest and any readback
@@ -77,8 +80,7 @@ def test_more_ranks_than_gpus_is_refused_before_any_rank_starts(rlk, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU")
 def test_cuda_run_without_a_gpu_exits_2_naming_the_fix(rlk, tmp_path):
-    proc = rlk("run", "--device", "cuda", "--workload", "ci", "--artifact-dir",
-               str(tmp_path / "no-gpu"), env=ONE_GPU)
+    proc = _run_ci(rlk, tmp_path / "no-gpu", ONE_GPU)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "no CUDA device is visible; use --device cpu" in proc.stderr
     assert (tmp_path / "no-gpu" / "exit-code").read_text().strip() == "2"
@@ -105,9 +107,8 @@ HOPPER2 = HOPPER and torch.cuda.device_count() >= 2
 @pytest.mark.skipif(not HOPPER2, reason="needs two Hopper (sm_90) CUDA GPUs")
 def test_control_at_tp2_is_bitwise_over_the_ipc_collectives(rlk, tmp_path):
     run_dir = tmp_path / "tp2"
-    proc = rlk("run", "--device", "cuda", "--workload", "ci", "--artifact-dir", str(run_dir),
-               env={"TP_SIZE": "2", "CP_SIZE": "1", "ACTOR_GPUS": "2", "ROLLOUT_GPUS": "2",
-                    "ROLLOUT_GPUS_PER_ENGINE": "2", "CI_TEST": "1"})
+    proc = _run_ci(rlk, run_dir, {"TP_SIZE": "2", "CP_SIZE": "1", "ACTOR_GPUS": "2",
+                                  "ROLLOUT_GPUS": "2", "ROLLOUT_GPUS_PER_ENGINE": "2", "CI_TEST": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((run_dir / "bitwise-validation.json").read_text())
     assert report["passed"] and report["bitwise"] and report["mismatch_count"] == 0
@@ -122,8 +123,7 @@ def test_control_at_tp2_is_bitwise_over_the_ipc_collectives(rlk, tmp_path):
 @pytest.mark.skipif(not HOPPER2, reason="needs two Hopper (sm_90) CUDA GPUs")
 def test_rollout_on_its_own_gpu_is_bitwise(rlk, tmp_path):
     run_dir = tmp_path / "separate"
-    proc = rlk("run", "--device", "cuda", "--workload", "ci", "--no-colocate", "--artifact-dir",
-               str(run_dir), env={**ONE_GPU, "CI_TEST": "1"})
+    proc = _run_ci(rlk, run_dir, {**ONE_GPU, "CI_TEST": "1"}, "--no-colocate")
     assert proc.returncode == 0, proc.stderr[-3000:]
     devices = {r["side"]: r["device"] for r in _readbacks(run_dir)}
     assert devices == {"training": "cuda:0", "rollout": "cuda:1"}

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,14 +16,14 @@ from rl_engine.ops import _lib, attention, linear, logp, norm, rope, swiglu
 from rl_engine.trace import families, gate
 from rl_engine.runtime.trace_record import record
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-import nsys_export  # noqa: E402
+import seeded
+from fixtures import nsys_export
 
 HQ, HKV, D = 4, 2, 16
 
 
 def randn(*shape, seed):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+    return seeded.randn(*shape, seed=seed).requires_grad_()
 
 
 def step(*, r_swiglu: bool = True, r_ops: bool = True, collective: bool = True) -> None:

@@ -21,9 +21,8 @@ from fastapi.testclient import TestClient
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "plugins"))
-sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 
-import fake_run  # noqa: E402
+from fixtures import fake_run  # noqa: E402
 from rlk_ui import app as ui  # noqa: E402
 from rlk_ui import history_plot  # noqa: E402
 
