@@ -11,6 +11,9 @@
 # ARCHIVE=path.tgz also packs $OUT into that one file after every step (for a machine that hands
 # back only a few files).
 #
+# STEPS="rr-tp2 matrix ..." runs only the named steps (and the builds and model they need), so the
+# evidence can be split over several shorter sessions on the machine.
+#
 # DEVICE=cpu PRESET=tiny SKIP_BUILD=1 runs the same plumbing on a CPU machine (the GPU-only steps
 # then fail or skip), to check the script itself.
 set -uo pipefail
@@ -33,9 +36,14 @@ pack() {  # the whole of $OUT in $ARCHIVE, replaced atomically
   fi
 }
 
+wanted() {  # wanted NAME: whether STEPS (empty: every step) names NAME
+  [[ -z "${STEPS:-}" || " $STEPS " == *" $1 "* ]]
+}
+
 step() {  # step NAME LIMIT_SECONDS COMMAND...: runs it, logs to $OUT/NAME.log, records its end
   local name=$1 limit=$2 start rc
   shift 2
+  [[ $name == build ]] || wanted "${name%-trace-gate}" || wanted "${name%-analyze}" || return 0
   start=$(date +%s)
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   rc=$?
@@ -56,6 +64,7 @@ keep() {  # keep RUN_DIR NAME: the run's JSON evidence and log, without its bulk
 run() {
   local name=$1 gpus=$2 tp=$3 cp=$4
   shift 4
+  wanted "$name" || return 0
   step "$name" 240 env CI_TEST=1 "$@" "${RLK[@]}" run --device "$DEVICE" \
     --model-root "$WORK/model" --tp "$tp" --cp "$cp" --actor-gpus "$gpus" \
     --rollout-gpus "$gpus" --rollout-gpus-per-engine "$tp" --artifact-dir "$WORK/$name" $FLAGS
@@ -73,6 +82,7 @@ step ipc_tests 180 "$PY" -m pytest -q -x -p no:cacheprovider tests/distributed/t
   tests/distributed/test_rank_order_sum_cuda.py
 step ipc_bench 180 "$PY" benchmarks/ipc_collectives.py --out "$OUT/ipc_collectives.json"
 
+wanted model || STEPS="${STEPS:-} model"
 step model 120 "${RLK[@]}" model init --preset "$PRESET" --out "$WORK/model"
 FLAGS=--trace run rr-tp2 2 2 1
 step rr-tp2-trace-gate 120 "${RLK[@]}" trace gate --trace "$WORK/rr-tp2/trace" --device "$DEVICE" \
@@ -94,6 +104,10 @@ step matrix-analyze 120 "${RLK[@]}" matrix analyze --matrix-root "$WORK/matrix" 
 
 step attention-gate-tp2 180 "${RLK[@]}" attention-gate --device "$DEVICE" --world-size 2 --tp 2 \
   --output-dir "$OUT/attention-gate"
-FLAGS= run rr-tp1 1 1 1 CUDA_VISIBLE_DEVICES=0
-step cuda_tests 600 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests
+FLAGS=--trace run rr-tp1 1 1 1 CUDA_VISIBLE_DEVICES=0
+step rr-tp1-trace-gate 120 "${RLK[@]}" trace gate --trace "$WORK/rr-tp1/trace" --device "$DEVICE" \
+  --world-size 1 --tp 1 --output "$OUT/rr-tp1-trace-gate.json"
+# The modules that hold CUDA tests (the others need Airflow, Ray or FastAPI, not installed there).
+step cuda_tests 600 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/distributed tests/ops \
+  tests/step tests/validation
 exit 0

@@ -92,12 +92,25 @@ class Communicator:
     def run(self, kind: str, x: torch.Tensor) -> torch.Tensor:
         x = x.detach().contiguous()
         if x.dtype not in DTYPES:
+            if kind == "all_gather":
+                return self._gather_words(x)
             raise TypeError(f"cuda_ipc {kind}: {x.dtype} tensors are not summed here; the IPC "
-                            "collectives take bf16, fp16 or fp32")
+                            "collectives sum bf16, fp16 or fp32")
         if x.device != self.device:
             raise ValueError(f"cuda_ipc: tensor on {x.device}, this rank's GPU is {self.device}")
         op = getattr(_lib.ops(), f"ipc_{kind}")
         return op(x, self.buffers_for(kind, x), self.rank, self.epochs, self.max_blocks)
+
+    def _gather_words(self, x: torch.Tensor) -> torch.Tensor:
+        """All-gather of a dtype the kernels do not sum (token ids, positions): the kernel only
+        loads and stores, so the bytes travel unchanged as 4- or 2-byte words."""
+        raw = x.reshape(-1).view(torch.uint8)
+        word = torch.float32 if raw.numel() % 4 == 0 else torch.bfloat16
+        if raw.numel() % 2:
+            raise TypeError(f"cuda_ipc all_gather: {x.dtype} tensor of {raw.numel()} bytes; an "
+                            "odd byte count cannot travel as 2-byte words, pad it to an even size")
+        out = self.run("all_gather", raw.view(word)).view(torch.uint8).view(x.dtype)
+        return out.reshape(self.world * x.shape[0], *x.shape[1:]) if x.dim() else out
 
 
 @functools.lru_cache(maxsize=1024)

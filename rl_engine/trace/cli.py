@@ -26,8 +26,9 @@ def gate_cmd(
     device: str = typer.Option("cpu", help="cpu (rl_engine:: op events) or cuda (kernels)"),
     world_size: int = typer.Option(1, help="ranks of the traced group; >1 requires the "
                                            "fixed-order collectives under an all-R plan"),
-    tp: int = typer.Option(1, help="tensor-parallel size of the traced layout: the gradient "
-                                   "sync's reduce-scatter is required only when world-size / tp > 1"),
+    tp: int = typer.Option(1, help="tensor-parallel size of the traced layout: the all-reduce "
+                                   "is required when tp > 1, the gradient sync's reduce-scatter "
+                                   "when world-size / tp > 1"),
     side: str = typer.Option("both", help="training, rollout or both: the sides the trace covers"),
     output: Path = typer.Option(None, help="where to write trace-gate.json"),
 ) -> int:

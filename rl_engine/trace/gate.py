@@ -115,9 +115,10 @@ def requirements(plan: Plan, device: str, world_size: int,
                  sides: tuple[str, ...] = SIDES, tp: int = 1) -> tuple[set[str], set[str], bool]:
     """(families that must launch, families that must not, whether NCCL payload is forbidden).
 
-    On CUDA every layout of more than one rank all-gathers and all-reduces (TP's row-parallel
-    sums and vocab-parallel log-probs; CP's K/V gather); the gradient sync over CP x DP ranks is
-    the one reduce-scatter, so it is required only when world_size / tp > 1."""
+    On CUDA every layout of more than one rank all-gathers (TP's vocab-parallel log-probs and
+    weight gathers, CP's K/V gather). Only TP all-reduces (its row-parallel sums), so the
+    all-reduce is required when tp > 1; the gradient sync over CP x DP ranks is the one
+    reduce-scatter, required when world_size / tp > 1."""
     must: set[str] = set()
     for module in MODULES:
         for side in sides:
@@ -127,8 +128,9 @@ def requirements(plan: Plan, device: str, world_size: int,
     all_p = all(plan.impl(m, s) == "P" for m in MODULES for s in sides)
     if all_r and world_size > 1:
         if device == "cuda":
-            must.update(f for f in fam.COLLECTIVE_FAMILIES
-                        if f != "ipc_reduce_scatter" or world_size // tp > 1)
+            needed = {"ipc_all_gather": True, "ipc_all_reduce": tp > 1,
+                      "ipc_reduce_scatter": world_size // tp > 1}
+            must.update(f for f in fam.COLLECTIVE_FAMILIES if needed[f])
         else:
             must.update(fam.CPU_ONLY_FAMILIES)
     if all_p:

@@ -65,6 +65,14 @@ def _check(rank: int, world: int) -> list[str]:
     want = torch.cat([_inputs(r, torch.bfloat16, 1001)[1:] for r in range(world)])
     if not torch.equal(collectives.all_gather(base[1:], None), want):
         bad.append(f"rank {rank} misaligned all_gather")
+    # Token ids and positions travel as bytes: int64, int32 and an odd int16 count (2-byte words).
+    for dtype, shape in ((torch.int64, (5, 3)), (torch.int32, (7,)), (torch.int16, (3,)), (torch.int64, ())):
+        ids = [torch.arange(r * 1000, r * 1000 + max(1, torch.Size(shape).numel()), device="cuda")
+               .mul(-(1 << 40)).to(dtype).reshape(shape) for r in range(world)]
+        got = collectives.all_gather(ids[rank], None)
+        want = torch.cat([i.reshape(-1, *shape[1:]) if shape else i.reshape(1) for i in ids])
+        if not torch.equal(got, want):
+            bad.append(f"rank {rank} all_gather {dtype} {tuple(shape)}")
     # Captured once, replayed with new data in the same input buffer.
     static = _inputs(rank, torch.bfloat16, 4 * MIB)
     collectives.all_reduce(static, None)  # grows the buffers before the capture

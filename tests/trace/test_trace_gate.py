@@ -138,8 +138,12 @@ def test_nsys_export_all_r_needs_ipc_collectives_and_no_nccl(tmp_path):
     assert failing(report) == {"reference_collective": 2}
     assert report["reference_collectives"] == {NCCL[0][0]: 2}
     no_ipc = nsys_export.build(tmp_path / "no_ipc.sqlite", RLK + NCCL)
+    # CP=2 (TP=1): gathers and the gradient reduce-scatter, no TP all-reduce to require.
     assert failing(verdict(no_ipc, "control", device="cuda", world=2)) == {
-        "ipc_all_gather": 0, "ipc_reduce_scatter": 0, "ipc_all_reduce": 0, "reference_collective": 2}
+        "ipc_all_gather": 0, "ipc_reduce_scatter": 0, "reference_collective": 2}
+    assert failing(gate.gate(gate.count([no_ipc], "cuda"), "control", device="cuda", world_size=4,
+                             tp=2)) == {"ipc_all_gather": 0, "ipc_reduce_scatter": 0,
+                                        "ipc_all_reduce": 0, "reference_collective": 2}
     assert verdict(no_ipc, "control", device="cuda", world=1)["passed"] is False  # NCCL payload
     # TP=2 alone has no gradient group to reduce-scatter over; it still needs AG and AR.
     assert failing(gate.gate(gate.count([no_ipc], "cuda"), "control", device="cuda", world_size=2,
