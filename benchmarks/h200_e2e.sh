@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU end-to-end evidence in one command on a host with two H200s: builds the sm_90a extension,
-# then runs, in order of importance, the IPC collective tests, the IPC-vs-NCCL benchmark, strict
-# R/R steps of the `small` model at TP=2 and CP=2 (traced, then the trace gate), the attention
-# gate on two GPUs, the R/R-over-P/P step-time benchmark, the ablation matrix, and the attention
-# gate at TP=2, an R/R step on one GPU and every CUDA test. Every step has its own time limit and leaves its log and JSON under $OUT, so a run that
-# is cut short still returns what it finished; steps.tsv says how each step ended.
+# then runs, in order of importance, the IPC collective tests, the IPC-vs-NCCL benchmark, the
+# attention tests and benchmark, strict R/R steps of the `small` model at TP=2 and CP=2 (traced,
+# then the trace gate), the attention gate on two GPUs, the R/R-over-P/P step-time benchmark, the
+# ablation matrix, the attention gate at TP=2, a traced R/R step on one GPU and every CUDA test.
+# Every step has its own time limit and leaves its log and JSON under $OUT, so a run that is cut
+# short still returns what it finished; steps.tsv says how each step ended.
 #
 #     OUT=h200-results bash benchmarks/h200_e2e.sh
 #
@@ -83,6 +84,9 @@ step ipc_tests 180 "$PY" -m pytest -q -x -p no:cacheprovider tests/distributed/t
 step ipc_bench 180 "$PY" benchmarks/ipc_collectives.py --out "$OUT/ipc_collectives.json"
 
 wanted model || STEPS="${STEPS:-} model"
+step attention_tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/ops/test_cuda_attention.py
+step attention_bench 300 "$PY" benchmarks/hopper_attention.py --out "$OUT/hopper_attention.json"
+
 step model 120 "${RLK[@]}" model init --preset "$PRESET" --out "$WORK/model"
 FLAGS=--trace run rr-tp2 2 2 1
 step rr-tp2-trace-gate 120 "${RLK[@]}" trace gate --trace "$WORK/rr-tp2/trace" --device "$DEVICE" \

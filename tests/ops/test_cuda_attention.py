@@ -37,13 +37,14 @@ def i32(values):
     return torch.tensor(values, dtype=torch.int32, device=DEV)
 
 
-def packed(lens, d, dtype=torch.bfloat16, seed=0):
+def packed(lens, d, dtype=torch.bfloat16, seed=0, heads=(HQ, HKV)):
     """q, k, v of full-prefill sequences packed back to back, cu_seqlens and positions."""
+    hq, hkv = heads
     cu = i32([0, *torch.tensor(lens).cumsum(0).tolist()])
     pos = torch.cat([torch.arange(n) for n in lens]).to(DEV)
     t = sum(lens)
-    return (randn(t, HQ, d, dtype=dtype, seed=seed), randn(t, HKV, d, dtype=dtype, seed=seed + 1),
-            randn(t, HKV, d, dtype=dtype, seed=seed + 2), cu, cu.clone(), pos)
+    return (randn(t, hq, d, dtype=dtype, seed=seed), randn(t, hkv, d, dtype=dtype, seed=seed + 1),
+            randn(t, hkv, d, dtype=dtype, seed=seed + 2), cu, cu.clone(), pos)
 
 
 def reference(q, k, v, cu_q, cu_k, pos, scale):
@@ -144,6 +145,21 @@ def test_decode_equals_prefill_rows(ops, block, page, d):
     dec_out, dec_lse = ops.attention_decode(q[all_rows], k_cache, v_cache, table.expand(n, -1),
                                             i32(list(range(1, n + 1))), scale, block)
     assert torch.equal(dec_out, out[all_rows]) and torch.equal(dec_lse, lse[all_rows])
+
+
+# Up to 16 query heads per kv head the decode splits each block over its warps, above it gives
+# each warp 16 heads: both kernels must give prefill rows.
+@pytest.mark.parametrize("heads", [(2, 2), (32, 2), (40, 2), (64, 1)])
+def test_decode_equals_prefill_rows_for_each_group_size(ops, heads):
+    lens, block = [3, 70, 129], 64
+    q, k, v, cu, _, pos = packed(lens, 128, seed=11, heads=heads)
+    out, lse = fwd(ops, q, k, v, cu, cu, pos, block)
+    rows = [int(cu[b]) + n - 1 for b, n in enumerate(lens)]
+    k_seq = [k[cu[b]:cu[b + 1]] for b in range(len(lens))]
+    v_seq = [v[cu[b]:cu[b + 1]] for b in range(len(lens))]
+    dec_out, dec_lse = ops.attention_decode(q[rows], *paged(k_seq, v_seq, lens, 16, True),
+                                            128 ** -0.5, block)
+    assert torch.equal(dec_out, out[rows]) and torch.equal(dec_lse, lse[rows])
 
 
 @pytest.mark.parametrize("block", [16, 64])
