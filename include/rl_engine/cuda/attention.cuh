@@ -79,15 +79,13 @@ __global__ void __launch_bounds__(fwd_warps<D, BN>() * 32, fwd_tiles<D, BN>())
   auto tile_row = [&](int mt, int r) { return (mt * kFwdWarps + warp) * 16 + (lane >> 2) + 8 * r; };
 
   int pos[kFwdTiles][2];
-  bool valid[kFwdTiles][2];
   int mine = -1;
 #pragma unroll
   for (int mt = 0; mt < kFwdTiles; ++mt) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = tile_row(mt, r);
-      valid[mt][r] = row < nrows;
-      pos[mt][r] = valid[mt][r] ? static_cast<int>(p.pos[row0 + row]) : 0;
+      pos[mt][r] = row < nrows ? static_cast<int>(p.pos[row0 + row]) : 0;
       mine = max(mine, pos[mt][r]);
     }
   }
@@ -129,8 +127,9 @@ __global__ void __launch_bounds__(fwd_warps<D, BN>() * 32, fwd_tiles<D, BN>())
   T* out = static_cast<T*>(p.out);
 #pragma unroll
   for (int mt = 0; mt < kFwdTiles; ++mt) {
+    const bool valid[2] = {tile_row(mt, 0) < nrows, tile_row(mt, 1) < nrows};
     store_rows<T, D / 8>(
-        st[mt], p.scale, valid[mt],
+        st[mt], p.scale, valid,
         [&](int r) { return out + ((int64_t)(row0 + tile_row(mt, r)) * p.hq + h) * D; },
         [&](int r) { return p.lse + (int64_t)(row0 + tile_row(mt, r)) * p.hq + h; }, 0, true, lane);
   }
@@ -152,14 +151,14 @@ constexpr int decode_smem_bytes() {
 // Copies block j of one sequence's keys and values from the paged cache into a (K, V) tile pair.
 // The pages of the keys this thread copies are looked up once per block for K and V together, as
 // independent loads issued back to back (not one dependent lookup per 16-byte copy).
-template <typename T, int D, int BN>
+template <typename T, int D, int BN, int kThreads>
 struct PagedLoad {
   const DecodeParams& p;
   const int32_t* pages;
   int b, g, len, tid;
   __device__ __forceinline__ void operator()(int j, uint32_t kt, uint32_t vt) const {
-    constexpr int kChunks = D / 8, kRowsPerPass = kDecWarps * 32 / kChunks;
-    static_assert((kDecWarps * 32) % kChunks == 0 && BN % kRowsPerPass == 0, "copy layout");
+    constexpr int kChunks = D / 8, kRowsPerPass = kThreads / kChunks;
+    static_assert(kThreads % kChunks == 0 && BN % kRowsPerPass == 0, "copy layout");
     constexpr int kPasses = BN / kRowsPerPass;
     const T* kc = static_cast<const T*>(p.k_cache);
     const T* vc = static_cast<const T*>(p.v_cache);
@@ -218,7 +217,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) rlk_attention_decode_kernel(De
     for (int i = 0; i < 4; ++i) a[i] = qf[kk][i];
   };
   kv_walk<decode_stages<BN>()>(
-      base, BN * kStride<D> * 2, nblocks, PagedLoad<T, D, BN>{p, pages, b, g, len, tid},
+      base, BN * kStride<D> * 2, nblocks, PagedLoad<T, D, BN, kDecWarps * 32>{p, pages, b, g, len, tid},
       [&](int j, uint32_t kt, uint32_t vt) {
         if (active) attention_block<T, D, BN, 1>(st, qfrag, kt, vt, j * BN, pos, len, p.scale_log2, lane);
       });
@@ -234,15 +233,19 @@ __global__ void __launch_bounds__(kDecWarps * 32) rlk_attention_decode_kernel(De
       0, true, lane);
 }
 
-// Decode of up to 16 query heads per kv head (one m16 row tile): the four warps share each block.
+// Decode of up to 16 query heads per kv head (one m16 row tile): D / 16 warps share each block.
 // Warps 0..kScorers-1 compute NS key tiles of the scores each and publish them in shared memory;
-// then every warp runs the same softmax on the whole row (the same bits in every warp) and its
-// quarter of the output columns. Each accumulator sees exactly the operations of the prefill's
-// attention_block, so the rows stay equal to prefill rows, with a quarter of the tensor-core work
-// per warp on the critical path.
-template <int BN>
+// then every warp runs the same softmax on the whole row (the same bits in every warp) and two
+// output tiles. Each accumulator sees exactly the operations of the prefill's attention_block, so
+// the rows stay equal to prefill rows. The decode is bound by instruction latency, not by the
+// tensor cores: more warps per block (eight at D = 128) hide more of it.
+template <int D>
+constexpr int split_warps() {
+  return D / 16;
+}
+template <int D, int BN>
 constexpr int split_score_tiles() {
-  return BN / 8 / kDecWarps < 2 ? 2 : BN / 8 / kDecWarps;
+  return BN / 8 / split_warps<D>() < 2 ? 2 : BN / 8 / split_warps<D>();
 }
 template <int D, int BN>
 constexpr int split_decode_smem_bytes() {
@@ -252,8 +255,9 @@ constexpr int split_decode_smem_bytes() {
 }
 
 template <typename T, int D, int BN>
-__global__ void __launch_bounds__(kDecWarps * 32) rlk_attention_decode_split_kernel(DecodeParams p) {
-  constexpr int NS = split_score_tiles<BN>(), kScorers = BN / 8 / NS, NO = D / 8 / kDecWarps;
+__global__ void __launch_bounds__(split_warps<D>() * 32) rlk_attention_decode_split_kernel(DecodeParams p) {
+  constexpr int kThreads = split_warps<D>() * 32, NS = split_score_tiles<D, BN>();
+  constexpr int kScorers = BN / 8 / NS, NO = D / 8 / split_warps<D>();
   constexpr int kRing = split_decode_smem_bytes<D, BN>() - 2 * (BN / 8) * 32 * 16;
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -265,7 +269,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) rlk_attention_decode_split_ker
 
   const uint32_t base = smem_u32(smem);
   load_tile<D>(base, 16, [&](int r) { return r < group ? q + ((int64_t)b * p.hq + g * group + r) * D : nullptr; },
-               q, tid, kDecWarps * 32);
+               q, tid, kThreads);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -284,7 +288,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) rlk_attention_decode_split_ker
     for (int i = 0; i < 4; ++i) a[i] = qf[kk][i];
   };
   kv_walk<decode_stages<BN>()>(
-      base, BN * kStride<D> * 2, nblocks, PagedLoad<T, D, BN>{p, pages, b, g, len, tid},
+      base, BN * kStride<D> * 2, nblocks, PagedLoad<T, D, BN, kThreads>{p, pages, b, g, len, tid},
       [&](int j, uint32_t kt, uint32_t vt) {
         // Block j's scores go to buffer j % 2: the walk's barrier at the top of block j + 1
         // orders block j's reads before block j + 2 overwrites them.
@@ -347,7 +351,7 @@ cudaError_t launch_attention_decode(const DecodeParams& p, int batch, cudaStream
     auto kernel = rlk_attention_decode_split_kernel<T, D, BN>;
     constexpr int smem = split_decode_smem_bytes<D, BN>();
     if (cudaError_t e = set_smem(kernel, smem); e != cudaSuccess) return e;
-    kernel<<<batch * p.hkv, kDecWarps * 32, smem, stream>>>(p);
+    kernel<<<batch * p.hkv, split_warps<D>() * 32, smem, stream>>>(p);
     return cudaGetLastError();
   }
   auto kernel = rlk_attention_decode_kernel<T, D, BN>;
