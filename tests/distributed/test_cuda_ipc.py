@@ -1,7 +1,8 @@
 """The CUDA IPC collectives on two GPUs: all-gather, reduce-scatter and all-reduce give bitwise the
 same result on both ranks, equal to a rank-order fp32 sum computed with plain torch on one GPU, at
 sizes from 1 element to 256 MiB (odd sizes, sizes that are not a multiple of 16 bytes, a
-misaligned input), run after run and replayed from a CUDA graph. Skipped without two Hopper GPUs."""
+misaligned input), run after run and replayed from a CUDA graph; integer tensors (token ids,
+positions) all-gathered byte for byte. Skipped without two Hopper GPUs."""
 
 import pytest
 import torch
