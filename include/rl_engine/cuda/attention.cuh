@@ -200,11 +200,8 @@ __global__ void __launch_bounds__(kDecWarps * 32) rlk_attention_decode_kernel(De
   cp_async_wait<0>();
   __syncthreads();
   const bool active = warp * 16 < group;
-  uint32_t qf[D / 16][4];
-  if (active) {
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) load_a<D>(qf[kk], base, warp * 16, kk * 16, lane);
-  }
+  QInRegisters<D> qf;
+  if (active) qf.load(base, warp * 16, lane);
   __syncthreads();
 
   const int t = len - 1;
@@ -212,14 +209,10 @@ __global__ void __launch_bounds__(kDecWarps * 32) rlk_attention_decode_kernel(De
   RowState<D / 8> st[1];
   st[0].init();
   const int nblocks = t < 0 ? 0 : t / BN + 1;
-  auto qfrag = [&](int, int kk, uint32_t (&a)[4]) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) a[i] = qf[kk][i];
-  };
   kv_walk<decode_stages<BN>()>(
       base, BN * kStride<D> * 2, nblocks, PagedLoad<T, D, BN, kDecWarps * 32>{p, pages, b, g, len, tid},
       [&](int j, uint32_t kt, uint32_t vt) {
-        if (active) attention_block<T, D, BN, 1>(st, qfrag, kt, vt, j * BN, pos, len, p.scale_log2, lane);
+        if (active) attention_block<T, D, BN, 1>(st, qf, kt, vt, j * BN, pos, len, p.scale_log2, lane);
       });
   if (!active) return;
   bool valid[2];
@@ -273,9 +266,8 @@ __global__ void __launch_bounds__(split_warps<D>() * 32) rlk_attention_decode_sp
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
-  uint32_t qf[D / 16][4];
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) load_a<D>(qf[kk], base, 0, kk * 16, lane);
+  QInRegisters<D> qf;
+  qf.load(base, 0, lane);
   __syncthreads();
 
   const int t = len - 1;
@@ -283,10 +275,6 @@ __global__ void __launch_bounds__(split_warps<D>() * 32) rlk_attention_decode_sp
   RowState<NO> st[1];
   st[0].init();
   const int nblocks = t < 0 ? 0 : t / BN + 1;
-  auto qfrag = [&](int, int kk, uint32_t (&a)[4]) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) a[i] = qf[kk][i];
-  };
   kv_walk<decode_stages<BN>()>(
       base, BN * kStride<D> * 2, nblocks, PagedLoad<T, D, BN, kThreads>{p, pages, b, g, len, tid},
       [&](int j, uint32_t kt, uint32_t vt) {
@@ -295,7 +283,7 @@ __global__ void __launch_bounds__(split_warps<D>() * 32) rlk_attention_decode_sp
         float4* sb = scores + (j & 1) * (BN / 8) * 32;
         if (warp < kScorers) {
           float part[1][NS][4];
-          block_scores<T, D, NS, 1>(part, qfrag, kt, warp * NS, lane);
+          block_scores<T, D, NS, 1>(part, qf, kt, warp * NS, lane);
 #pragma unroll
           for (int n = 0; n < NS; ++n) {
             const float* c = part[0][n];

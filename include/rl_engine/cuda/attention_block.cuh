@@ -27,6 +27,21 @@ struct RowState {
   }
 };
 
+// The A fragments of one 16-row query tile held in registers for the whole walk (the decode's
+// query heads); called as a block_scores qfrag.
+template <int D>
+struct QInRegisters {
+  uint32_t f[D / 16][4];
+  __device__ __forceinline__ void load(uint32_t tile, int row0, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) load_a<D>(f[kk], tile, row0, kk * 16, lane);
+  }
+  __device__ __forceinline__ void operator()(int, int kk, uint32_t (&a)[4]) const {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = f[kk][i];
+  }
+};
+
 // s = Q . K^T for MT row tiles and the NS n8 key tiles from tile n0 of the block in `ks`.
 // qfrag(mt, kk, a) gives row tile mt's A fragment of k-step kk (from registers or shared memory).
 template <typename T, int D, int NS, int MT, typename QFrag>
