@@ -121,6 +121,37 @@ __device__ __forceinline__ void ipc_sum_slots(const T* stage, int64_t slot, int6
   for (int k = 0; k < V; ++k) out[k] = from_float<T>(acc[k]);
 }
 
+// First phase of reduce-scatter and all-reduce: piece p of this rank's input (load(p, j, v)
+// gives its elements j..j+V) goes to slot `rank` of peer p's staging, this rank's own piece last.
+template <typename T, int V, typename Load>
+__device__ __forceinline__ void ipc_push_pieces(const IpcPeers& peers, int rank, int ranks,
+                                                int64_t slot, int64_t first, int64_t stride,
+                                                Load&& load) {
+  for (int64_t j = first; j < slot; j += stride) {
+    for (int d = 1; d <= ranks; ++d) {
+      const int p = (rank + d) % ranks;
+      T v[V];
+      load(p, j, v);
+      ipc_store<T, V>(ipc_stage<T>(peers, p) + int64_t{rank} * slot, j, j + V, true, v);
+    }
+  }
+}
+
+// Last phase of all-gather and all-reduce: every peer's slot s of `stage` to its place in the
+// output (store(s, j, v) writes elements j..j+V of slot s).
+template <typename T, int V, typename Store>
+__device__ __forceinline__ void ipc_collect(const T* stage, int rank, int ranks, int64_t slot,
+                                            int64_t first, int64_t stride, Store&& store) {
+  for (int64_t j = first; j < slot; j += stride) {
+    for (int s = 0; s < ranks; ++s) {
+      if (s == rank) continue;
+      T v[V];
+      ipc_load<T, V>(stage + s * slot, j, j + V, true, v);
+      store(s, j, v);
+    }
+  }
+}
+
 // all_gather: x [n] on every rank, out [ranks * n] in rank order. Staging: ranks slots of
 // `slot` (n rounded up to V) elements; slot p holds rank p's x.
 template <typename T, int V>
@@ -145,15 +176,10 @@ __global__ void __launch_bounds__(kIpcThreads)
     }
   }
   ipc_block_barrier(peers, rank, ranks, ++epoch);
-  const T* stage = ipc_stage<T>(peers, rank);
-  for (int64_t j = first; j < slot; j += stride) {
-    for (int s = 0; s < ranks; ++s) {
-      if (s == rank) continue;
-      T v[V];
-      ipc_load<T, V>(stage + s * slot, j, j + V, true, v);
-      ipc_store<T, V>(out + int64_t{s} * n, j, n, wide_out, v);
-    }
-  }
+  ipc_collect<T, V>(ipc_stage<T>(peers, rank), rank, ranks, slot, first, stride,
+                    [&](int s, int64_t j, const T (&v)[V]) {
+                      ipc_store<T, V>(out + int64_t{s} * n, j, n, wide_out, v);
+                    });
   if (threadIdx.x == 0) epochs[blockIdx.x] = epoch;
 }
 
@@ -168,14 +194,9 @@ __global__ void __launch_bounds__(kIpcThreads)
   ipc_block_barrier(peers, rank, ranks, ++epoch);
   const int64_t stride = int64_t{gridDim.x} * blockDim.x * V;
   const int64_t first = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) * V;
-  for (int64_t j = first; j < slot; j += stride) {
-    for (int d = 1; d <= ranks; ++d) {
-      const int p = (rank + d) % ranks;
-      T v[V];
-      ipc_load<T, V>(x + int64_t{p} * m, j, m, wide_x, v);
-      ipc_store<T, V>(ipc_stage<T>(peers, p) + int64_t{rank} * slot, j, j + V, true, v);
-    }
-  }
+  ipc_push_pieces<T, V>(peers, rank, ranks, slot, first, stride, [&](int p, int64_t j, T (&v)[V]) {
+    ipc_load<T, V>(x + int64_t{p} * m, j, m, wide_x, v);
+  });
   ipc_block_barrier(peers, rank, ranks, ++epoch);
   const T* stage = ipc_stage<T>(peers, rank);
   for (int64_t j = first; j < slot; j += stride) {
@@ -199,14 +220,9 @@ __global__ void __launch_bounds__(kIpcThreads)
   const int64_t stride = int64_t{gridDim.x} * blockDim.x * V;
   const int64_t first = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) * V;
   const int64_t reduced = int64_t{ranks} * slot;  // offset of the output slots
-  for (int64_t j = first; j < slot; j += stride) {
-    for (int d = 1; d <= ranks; ++d) {
-      const int p = (rank + d) % ranks;
-      T v[V];
-      ipc_load<T, V>(x, int64_t{p} * slot + j, n, wide_x, v);
-      ipc_store<T, V>(ipc_stage<T>(peers, p) + int64_t{rank} * slot, j, j + V, true, v);
-    }
-  }
+  ipc_push_pieces<T, V>(peers, rank, ranks, slot, first, stride, [&](int p, int64_t j, T (&v)[V]) {
+    ipc_load<T, V>(x, int64_t{p} * slot + j, n, wide_x, v);
+  });
   ipc_block_barrier(peers, rank, ranks, ++epoch);
   const T* stage = ipc_stage<T>(peers, rank);
   for (int64_t j = first; j < slot; j += stride) {
@@ -223,14 +239,10 @@ __global__ void __launch_bounds__(kIpcThreads)
     }
   }
   ipc_block_barrier(peers, rank, ranks, ++epoch);
-  for (int64_t j = first; j < slot; j += stride) {
-    for (int s = 0; s < ranks; ++s) {
-      if (s == rank) continue;
-      T v[V];
-      ipc_load<T, V>(stage + reduced + s * slot, j, j + V, true, v);
-      ipc_store<T, V>(out, int64_t{s} * slot + j, n, wide_out, v);
-    }
-  }
+  ipc_collect<T, V>(stage + reduced, rank, ranks, slot, first, stride,
+                    [&](int s, int64_t j, const T (&v)[V]) {
+                      ipc_store<T, V>(out, int64_t{s} * slot + j, n, wide_out, v);
+                    });
   if (threadIdx.x == 0) epochs[blockIdx.x] = epoch;
 }
 
