@@ -16,11 +16,16 @@ FAMILIES: tuple[str, ...] = (
 COLLECTIVE_FAMILIES: tuple[str, ...] = ("ipc_all_gather", "ipc_reduce_scatter", "ipc_all_reduce")
 # The CPU's fixed-order reductions sum gathered payloads with this op; it has no CUDA symbol.
 CPU_ONLY_FAMILIES: tuple[str, ...] = ("rank_order_sum",)
+# The plain fp32 GEMM kernel (no tensor cores), which runs only for fp32 operands: a bf16 or
+# fp16 model under an R plan must never launch it, so it is counted apart from det_gemm.
+CUDA_ONLY_FAMILIES: tuple[str, ...] = ("det_gemm_f32",)
 
 # A CUDA kernel belongs to a family when its (demangled or short) name contains the pattern.
-# Longest first, so that no family's pattern can claim a kernel of a family it prefixes.
+# Longest first, so that no family's pattern can claim a kernel of a family it prefixes
+# (rlk_det_gemm_f32_kernel is det_gemm_f32, not det_gemm).
 CUDA_PATTERNS: tuple[tuple[str, str], ...] = tuple(sorted(
-    ((f"rlk_{family}_", family) for family in FAMILIES), key=lambda p: -len(p[0])))
+    ((f"rlk_{family}_", family) for family in (*FAMILIES, *CUDA_ONLY_FAMILIES)),
+    key=lambda p: -len(p[0])))
 
 # Every op of csrc/schema.cpp that does work, by the family its launches count toward.
 CPU_OPS: dict[str, str] = {

@@ -118,7 +118,8 @@ def requirements(plan: Plan, device: str, world_size: int,
     On CUDA every layout of more than one rank all-gathers (TP's vocab-parallel log-probs and
     weight gathers, CP's K/V gather). Only TP all-reduces (its row-parallel sums), so the
     all-reduce is required when tp > 1; the gradient sync over CP x DP ranks is the one
-    reduce-scatter, required when world_size / tp > 1."""
+    reduce-scatter, required when world_size / tp > 1. det_gemm on CUDA counts the sm90 tensor-core
+    kernel only; its plain fp32 twin (det_gemm_f32) must not run under any R plan."""
     must: set[str] = set()
     for module in MODULES:
         for side in sides:
@@ -134,10 +135,12 @@ def requirements(plan: Plan, device: str, world_size: int,
         else:
             must.update(fam.CPU_ONLY_FAMILIES)
     if all_p:
-        forbidden = set(fam.FAMILIES) | set(fam.CPU_ONLY_FAMILIES)
+        forbidden = set(fam.FAMILIES) | set(fam.CPU_ONLY_FAMILIES) | set(fam.CUDA_ONLY_FAMILIES)
     else:
         forbidden = {f for m in MODULES if all(plan.impl(m, s) == "P" for s in sides)
                      for s in sides for f in fam.module_families(m, s, device)} - must
+        if device == "cuda":  # the Hopper route is bf16/fp16: an fp32 GEMM fell off the tensor cores
+            forbidden |= set(fam.CUDA_ONLY_FAMILIES)
     return must, forbidden, all_r and device == "cuda"
 
 
@@ -164,7 +167,8 @@ def gate(counts: Counts, plan_name: str, *, device: str, world_size: int = 1,
         "schema_version": SCHEMA_VERSION, "plan_name": plan_name, "cell": cell,
         "plan": plan.as_dict(), "device": device, "world_size": world_size, "tp": tp, "sides": list(sides),
         "events": counts.events, "counts": {f: counts.families[f] for f in
-                                            (*fam.FAMILIES, *fam.CPU_ONLY_FAMILIES)},
+                                            (*fam.FAMILIES, *fam.CPU_ONLY_FAMILIES,
+                                             *fam.CUDA_ONLY_FAMILIES)},
         "reference_collective_calls": reference_calls,
         "reference_collectives": dict(sorted(counts.reference.items())),
         "checks": checks, "problems": problems,

@@ -120,6 +120,8 @@ RLK = [("void rl_engine::cuda::rlk_det_gemm_sm90_kernel<128, 64>(const float*, f
        ("rlk_attention_decode_sm90_kernel(Params)", "rlk_attention_decode_sm90_kernel", 30),
        ("rlk_swiglu_kernel(float const*, float*, int)", "rlk_swiglu_kernel", 4),
        ("rlk_linear_logp_partial_kernel(Params)", "rlk_linear_logp_partial_kernel", 2)]
+NAIVE = [("void rl_engine::cuda::rlk_det_gemm_f32_kernel<rl_engine::cuda::StoreEpilogue<float>>(Args)",
+          "rlk_det_gemm_f32_kernel", 5)]
 IPC = [(f"rlk_{f}_fixed_order_kernel(Args)", f"rlk_{f}_fixed_order_kernel", 3)
        for f in families.COLLECTIVE_FAMILIES]
 NCCL = [("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
@@ -149,6 +151,14 @@ def test_nsys_export_all_r_needs_ipc_collectives_and_no_nccl(tmp_path):
     assert failing(gate.gate(gate.count([no_ipc], "cuda"), "control", device="cuda", world_size=2,
                              tp=2)) == {"ipc_all_gather": 0, "ipc_all_reduce": 0,
                                         "reference_collective": 2}
+    # The plain fp32 GEMM kernel is det_gemm_f32, not det_gemm: forbidden under R plans.
+    assert families.cuda_family(NAIVE[0][0]) == "det_gemm_f32"
+    assert families.cuda_family(RLK[0][0]) == "det_gemm"
+    naive = nsys_export.build(tmp_path / "naive.sqlite", RLK + IPC + NAIVE)
+    report = verdict(naive, "control", device="cuda", world=2)
+    assert failing(report) == {"det_gemm_f32": 5} and report["counts"]["det_gemm"] == 12
+    assert failing(verdict(naive, "ffn-PP", device="cuda", world=2)) == {"det_gemm_f32": 5,
+                                                                          "swiglu": 4}
     production = nsys_export.build(tmp_path / "p.sqlite", TORCH + NCCL)
     assert verdict(production, "baseline", device="cuda", world=2)["passed"]
     assert failing(verdict(good, "baseline", device="cuda")) == {
