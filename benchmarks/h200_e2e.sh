@@ -12,7 +12,7 @@
 # ARCHIVE=path.tgz also packs $OUT into that one file after every step (for a machine that hands
 # back only a few files).
 #
-# STEPS="rr-tp2 matrix ..." runs only the named steps (and the builds and model they need), so the
+# STEPS="rr-tp2 matrix ..." runs only the named steps (and the build and model they need), so the
 # evidence can be split over several shorter sessions on the machine.
 #
 # DEVICE=cpu PRESET=tiny SKIP_BUILD=1 runs the same plumbing on a CPU machine (the GPU-only steps
@@ -44,7 +44,7 @@ wanted() {  # wanted NAME: whether STEPS (empty: every step) names NAME
 step() {  # step NAME LIMIT_SECONDS COMMAND...: runs it, logs to $OUT/NAME.log, records its end
   local name=$1 limit=$2 start rc
   shift 2
-  [[ $name == build ]] || wanted "${name%-trace-gate}" || wanted "${name%-analyze}" || return 0
+  [[ $name == build || $name == model ]] || wanted "${name%-trace-gate}" || wanted "${name%-analyze}" || return 0
   start=$(date +%s)
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   rc=$?
@@ -61,11 +61,14 @@ keep() {  # keep RUN_DIR NAME: the run's JSON evidence and log, without its bulk
 }
 
 # A strict R/R step of the model, bitwise required: run NAME GPUS TP CP [VAR=VALUE...]; FLAGS
-# holds further `rlk run` flags.
+# holds further `rlk run` flags. The first run generates the model.
 run() {
   local name=$1 gpus=$2 tp=$3 cp=$4
   shift 4
   wanted "$name" || return 0
+  if [[ ! -d "$WORK/model" ]]; then
+    step model 120 "${RLK[@]}" model init --preset "$PRESET" --out "$WORK/model" || return 1
+  fi
   step "$name" 240 env CI_TEST=1 "$@" "${RLK[@]}" run --device "$DEVICE" \
     --model-root "$WORK/model" --tp "$tp" --cp "$cp" --actor-gpus "$gpus" \
     --rollout-gpus "$gpus" --rollout-gpus-per-engine "$tp" --artifact-dir "$WORK/$name" $FLAGS
@@ -83,11 +86,9 @@ step ipc_tests 180 "$PY" -m pytest -q -x -p no:cacheprovider tests/distributed/t
   tests/distributed/test_rank_order_sum_cuda.py
 step ipc_bench 180 "$PY" benchmarks/ipc_collectives.py --out "$OUT/ipc_collectives.json"
 
-wanted model || STEPS="${STEPS:-} model"
 step attention_tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/ops/test_cuda_attention.py
 step attention_bench 300 "$PY" benchmarks/hopper_attention.py --out "$OUT/hopper_attention.json"
 
-step model 120 "${RLK[@]}" model init --preset "$PRESET" --out "$WORK/model"
 FLAGS=--trace run rr-tp2 2 2 1
 step rr-tp2-trace-gate 120 "${RLK[@]}" trace gate --trace "$WORK/rr-tp2/trace" --device "$DEVICE" \
   --world-size 2 --tp 2 --output "$OUT/rr-tp2-trace-gate.json"

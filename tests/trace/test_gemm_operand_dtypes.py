@@ -4,7 +4,6 @@ that kernel under R plans; this test is the device-independent half of that rule
 training step of the tiny bf16 model (forward, backward, optimizer) in this process, every
 rl_engine op call recorded with the dtypes of its tensor arguments."""
 
-import tempfile
 
 import pytest
 import torch

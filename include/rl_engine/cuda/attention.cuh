@@ -148,6 +148,22 @@ constexpr int decode_smem_bytes() {
   return q > kv ? q : kv;
 }
 
+// The sequence b and kv head g a decode CTA serves (blockIdx.x = b * hkv + g): its query heads are
+// rows head0 .. head0 + group - 1 of q, out and lse, its keys the first len of its pages.
+struct DecodeCta {
+  int b, g, group, len;
+  const int32_t* pages;
+  __device__ __forceinline__ explicit DecodeCta(const DecodeParams& p)
+      : b(blockIdx.x / p.hkv),
+        g(blockIdx.x % p.hkv),
+        group(p.hq / p.hkv),
+        len(min(p.seq_lens[b], p.max_pages * p.page_size)),
+        pages(p.block_table + (int64_t)b * p.max_pages) {}
+  __device__ __forceinline__ int64_t head0(const DecodeParams& p) const {
+    return (int64_t)b * p.hq + g * group;
+  }
+};
+
 // Copies block j of one sequence's keys and values from the paged cache into a (K, V) tile pair.
 // The pages of the keys this thread copies are looked up once per block for K and V together, as
 // independent loads issued back to back (not one dependent lookup per 16-byte copy).
@@ -187,14 +203,13 @@ template <typename T, int D, int BN>
 __global__ void __launch_bounds__(kDecWarps * 32) rlk_attention_decode_kernel(DecodeParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int b = blockIdx.x / p.hkv, g = blockIdx.x % p.hkv, group = p.hq / p.hkv;
-  const int len = min(p.seq_lens[b], p.max_pages * p.page_size);
+  const DecodeCta cta(p);
+  const int group = cta.group, len = cta.len;
   const T* q = static_cast<const T*>(p.q);
-  const int32_t* pages = p.block_table + (int64_t)b * p.max_pages;
 
   const uint32_t base = smem_u32(smem);
   const int rows = ((group + 15) / 16) * 16;
-  load_tile<D>(base, rows, [&](int r) { return r < group ? q + ((int64_t)b * p.hq + g * group + r) * D : nullptr; },
+  load_tile<D>(base, rows, [&](int r) { return r < group ? q + (cta.head0(p) + r) * D : nullptr; },
                q, tid, kDecWarps * 32);
   cp_async_commit();
   cp_async_wait<0>();
@@ -210,7 +225,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) rlk_attention_decode_kernel(De
   st[0].init();
   const int nblocks = t < 0 ? 0 : t / BN + 1;
   kv_walk<decode_stages<BN>()>(
-      base, BN * kStride<D> * 2, nblocks, PagedLoad<T, D, BN, kDecWarps * 32>{p, pages, b, g, len, tid},
+      base, BN * kStride<D> * 2, nblocks, PagedLoad<T, D, BN, kDecWarps * 32>{p, cta.pages, cta.b, cta.g, len, tid},
       [&](int j, uint32_t kt, uint32_t vt) {
         if (active) attention_block<T, D, BN, 1>(st, qf, kt, vt, j * BN, pos, len, p.scale_log2, lane);
       });
@@ -221,8 +236,8 @@ __global__ void __launch_bounds__(kDecWarps * 32) rlk_attention_decode_kernel(De
   T* out = static_cast<T*>(p.out);
   store_rows<T, D / 8>(
       st[0], p.scale, valid,
-      [&](int r) { return out + ((int64_t)b * p.hq + g * group + warp * 16 + (lane >> 2) + 8 * r) * D; },
-      [&](int r) { return p.lse + (int64_t)b * p.hq + g * group + warp * 16 + (lane >> 2) + 8 * r; },
+      [&](int r) { return out + (cta.head0(p) + warp * 16 + (lane >> 2) + 8 * r) * D; },
+      [&](int r) { return p.lse + cta.head0(p) + warp * 16 + (lane >> 2) + 8 * r; },
       0, true, lane);
 }
 
@@ -254,14 +269,13 @@ __global__ void __launch_bounds__(split_warps<D>() * 32) rlk_attention_decode_sp
   constexpr int kRing = split_decode_smem_bytes<D, BN>() - 2 * (BN / 8) * 32 * 16;
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int b = blockIdx.x / p.hkv, g = blockIdx.x % p.hkv, group = p.hq / p.hkv;
-  const int len = min(p.seq_lens[b], p.max_pages * p.page_size);
+  const DecodeCta cta(p);
+  const int group = cta.group, len = cta.len;
   const T* q = static_cast<const T*>(p.q);
-  const int32_t* pages = p.block_table + (int64_t)b * p.max_pages;
   float4* scores = reinterpret_cast<float4*>(smem + kRing);
 
   const uint32_t base = smem_u32(smem);
-  load_tile<D>(base, 16, [&](int r) { return r < group ? q + ((int64_t)b * p.hq + g * group + r) * D : nullptr; },
+  load_tile<D>(base, 16, [&](int r) { return r < group ? q + (cta.head0(p) + r) * D : nullptr; },
                q, tid, kThreads);
   cp_async_commit();
   cp_async_wait<0>();
@@ -276,7 +290,7 @@ __global__ void __launch_bounds__(split_warps<D>() * 32) rlk_attention_decode_sp
   st[0].init();
   const int nblocks = t < 0 ? 0 : t / BN + 1;
   kv_walk<decode_stages<BN>()>(
-      base, BN * kStride<D> * 2, nblocks, PagedLoad<T, D, BN, kThreads>{p, pages, b, g, len, tid},
+      base, BN * kStride<D> * 2, nblocks, PagedLoad<T, D, BN, kThreads>{p, cta.pages, cta.b, cta.g, len, tid},
       [&](int j, uint32_t kt, uint32_t vt) {
         // Block j's scores go to buffer j % 2: the walk's barrier at the top of block j + 1
         // orders block j's reads before block j + 2 overwrites them.
@@ -309,8 +323,8 @@ __global__ void __launch_bounds__(split_warps<D>() * 32) rlk_attention_decode_sp
   T* out = static_cast<T*>(p.out);
   store_rows<T, NO>(
       st[0], p.scale, valid,
-      [&](int r) { return out + ((int64_t)b * p.hq + g * group + (lane >> 2) + 8 * r) * D; },
-      [&](int r) { return p.lse + (int64_t)b * p.hq + g * group + (lane >> 2) + 8 * r; },
+      [&](int r) { return out + (cta.head0(p) + (lane >> 2) + 8 * r) * D; },
+      [&](int r) { return p.lse + cta.head0(p) + (lane >> 2) + 8 * r; },
       warp * NO * 8, warp == 0, lane);
 }
 
