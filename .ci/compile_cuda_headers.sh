@@ -49,6 +49,12 @@ template __global__ void rc::rlk_ipc_reduce_scatter_kernel<float, 4>(rc::IpcPeer
                                                                  float*, bool, bool, uint64_t*);
 template __global__ void rc::rlk_ipc_all_reduce_kernel<__nv_bfloat16, 8>(rc::IpcPeers, int, int, const __nv_bfloat16*, int64_t,
                                                                      int64_t, __nv_bfloat16*, bool, bool, uint64_t*);
+template cudaError_t rc::attn::launch_attention_fwd_wgmma<__nv_bfloat16, 128, 64>(const rc::attn::FwdParams&, int64_t,
+                                                                               int64_t, int, cudaStream_t);
+template cudaError_t rc::attn::launch_attention_fwd_wgmma<__half, 64, 128>(const rc::attn::FwdParams&, int64_t, int64_t,
+                                                                        int, cudaStream_t);
+template cudaError_t rc::attn::launch_attention_decode<__nv_bfloat16, 128, 32>(const rc::attn::DecodeParams&, int,
+                                                                            cudaStream_t);
 CU
 
 "$NVCC" --version | tail -n 1

@@ -120,8 +120,8 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
                     cq.data_ptr<int32_t>(), ck.data_ptr<int32_t>(), pc.data_ptr<int64_t>(),
                     as_int(batch, op, "batch"), static_cast<int>(hq), static_cast<int>(k.size(1)),
                     static_cast<float>(softmax_scale), static_cast<float>(softmax_scale * kLog2e)};
-  check_cuda(launch_fwd(p, dt, static_cast<int>(q.size(2)), static_cast<int>(kv_block_size),
-                        static_cast<int>(tiles), at::cuda::getCurrentCUDAStream()),
+  check_cuda(launch_fwd(p, dt, static_cast<int>(q.size(2)), static_cast<int>(kv_block_size), tq,
+                        k.size(0), static_cast<int>(tiles), at::cuda::getCurrentCUDAStream()),
              op);
   return {out, lse};
 }

@@ -165,29 +165,42 @@ struct DecodeCta {
 };
 
 // Copies block j of one sequence's keys and values from the paged cache into a (K, V) tile pair.
-// The pages of the keys this thread copies are looked up once per block for K and V together, as
-// independent loads issued back to back (not one dependent lookup per 16-byte copy).
+// Blocks are copied in order 0, 1, 2, ...: the pages of block j + 1 are looked up (plain loads, one
+// per copied row) when block j's copies are issued, so that their latency passes while earlier
+// blocks are computed instead of stalling every copy behind a dependent lookup.
 template <typename T, int D, int BN, int kThreads>
 struct PagedLoad {
+  static constexpr int kChunks = D / 8, kRowsPerPass = kThreads / kChunks;
+  static_assert(kThreads % kChunks == 0 && BN % kRowsPerPass == 0, "copy layout");
+  static constexpr int kPasses = BN / kRowsPerPass;
   const DecodeParams& p;
   const int32_t* pages;
-  int b, g, len, tid;
-  __device__ __forceinline__ void operator()(int j, uint32_t kt, uint32_t vt) const {
-    constexpr int kChunks = D / 8, kRowsPerPass = kThreads / kChunks;
-    static_assert(kThreads % kChunks == 0 && BN % kRowsPerPass == 0, "copy layout");
-    constexpr int kPasses = BN / kRowsPerPass;
-    const T* kc = static_cast<const T*>(p.k_cache);
-    const T* vc = static_cast<const T*>(p.v_cache);
-    const int c = tid % kChunks, r0 = tid / kChunks;
-    int64_t off[kPasses];
+  int g, len, c, r0;
+  int next[kPasses];  // page of each row this thread copies in the next block (-1: none)
+
+  __device__ __forceinline__ PagedLoad(const DecodeParams& params, const DecodeCta& cta, int tid)
+      : p(params), pages(cta.pages), g(cta.g), len(cta.len), c(tid % kChunks), r0(tid / kChunks) {
+    lookup(0);
+  }
+  __device__ __forceinline__ void lookup(int j) {
 #pragma unroll
     for (int m = 0; m < kPasses; ++m) {
       const int key = j * BN + r0 + m * kRowsPerPass;
-      const int page = key < len ? pages[key / p.page_size] : -1;
+      next[m] = key < len ? pages[key / p.page_size] : -1;
+    }
+  }
+  __device__ __forceinline__ void operator()(int j, uint32_t kt, uint32_t vt) {
+    const T* kc = static_cast<const T*>(p.k_cache);
+    const T* vc = static_cast<const T*>(p.v_cache);
+    int64_t off[kPasses];
+#pragma unroll
+    for (int m = 0; m < kPasses; ++m) {
+      const int key = j * BN + r0 + m * kRowsPerPass, page = next[m];
       off[m] = page >= 0 && page < p.num_pages
                    ? (((int64_t)page * p.page_size + key % p.page_size) * p.hkv + g) * D + c * 8
                    : -1;
     }
+    lookup(j + 1);
 #pragma unroll
     for (int m = 0; m < kPasses; ++m) {
       const uint32_t dst = ((r0 + m * kRowsPerPass) * kStride<D> + c * 8) * 2;
@@ -225,7 +238,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) rlk_attention_decode_kernel(De
   st[0].init();
   const int nblocks = t < 0 ? 0 : t / BN + 1;
   kv_walk<decode_stages<BN>()>(
-      base, BN * kStride<D> * 2, nblocks, PagedLoad<T, D, BN, kDecWarps * 32>{p, cta.pages, cta.b, cta.g, len, tid},
+      base, BN * kStride<D> * 2, nblocks, PagedLoad<T, D, BN, kDecWarps * 32>(p, cta, tid),
       [&](int j, uint32_t kt, uint32_t vt) {
         if (active) attention_block<T, D, BN, 1>(st, qf, kt, vt, j * BN, pos, len, p.scale_log2, lane);
       });
@@ -241,38 +254,49 @@ __global__ void __launch_bounds__(kDecWarps * 32) rlk_attention_decode_kernel(De
       0, true, lane);
 }
 
-// Decode of up to 16 query heads per kv head (one m16 row tile): D / 16 warps share each block.
-// Warps 0..kScorers-1 compute NS key tiles of the scores each and publish them in shared memory;
-// then every warp runs the same softmax on the whole row (the same bits in every warp) and two
-// output tiles. Each accumulator sees exactly the operations of the prefill's attention_block, so
-// the rows stay equal to prefill rows. The decode is bound by instruction latency, not by the
-// tensor cores: more warps per block (eight at D = 128) hide more of it.
+// Decode of up to 16 query heads per kv head (one m16 row tile): D / 16 warps share each block,
+// and each step of the block update is done once, by the warps that own its data:
+//   1. scorer warps compute the scores of KS k16 key steps each (16 * KS keys), mask them and
+//      publish their row maxima;
+//   2. with the block's max (the same in every warp: max is exact) they turn their scores into
+//      probabilities and publish them, as the bf16 A fragments of P . V and as fp32 values;
+//   3. every warp rescales its NO output tiles and adds P . V over the block's keys in order;
+//      warp 0 adds the fp32 probabilities to the denominator in the prefill's order.
+// So every accumulator sees exactly the operations of the prefill's attention_block, and the rows
+// stay equal to prefill rows; the decode is bound by instruction issue, which this keeps low.
 template <int D>
 constexpr int split_warps() {
   return D / 16;
 }
 template <int D, int BN>
-constexpr int split_score_tiles() {
-  return BN / 8 / split_warps<D>() < 2 ? 2 : BN / 8 / split_warps<D>();
+constexpr int split_key_steps() {  // k16 key steps per scorer warp
+  return (BN / 16 + split_warps<D>() - 1) / split_warps<D>();
 }
 template <int D, int BN>
-constexpr int split_decode_smem_bytes() {
-  const int ring = decode_stages<BN>() * 2 * BN * kStride<D> * 2;
-  const int scores = 2 * (BN / 8) * 32 * 16;  // two blocks of C fragments, float4 per lane
-  return (ring > 16 * kStride<D> * 2 ? ring : 16 * kStride<D> * 2) + scores;
-}
+struct SplitSmem {
+  static constexpr int kRing = decode_stages<BN>() * 2 * BN * kStride<D> * 2;
+  static constexpr int kMax = kRing;                     // float [warps][16]: row maxima
+  static constexpr int kPa = kMax + 16 * 16 * 4;         // uint4 [BN / 16][32]: P fragments
+  static constexpr int kPf = kPa + (BN / 16) * 32 * 16;  // float4 [BN / 8][32]: P values
+  static constexpr int kL = kPf + (BN / 8) * 32 * 16;    // float [16]: whole denominators
+  static constexpr int kBytes = kL + 16 * 4;
+  static_assert(kRing >= 16 * kStride<D> * 2, "the query tile is staged in the ring");
+};
 
 template <typename T, int D, int BN>
 __global__ void __launch_bounds__(split_warps<D>() * 32) rlk_attention_decode_split_kernel(DecodeParams p) {
-  constexpr int kThreads = split_warps<D>() * 32, NS = split_score_tiles<D, BN>();
-  constexpr int kScorers = BN / 8 / NS, NO = D / 8 / split_warps<D>();
-  constexpr int kRing = split_decode_smem_bytes<D, BN>() - 2 * (BN / 8) * 32 * 16;
+  using S = SplitSmem<D, BN>;
+  constexpr int kThreads = split_warps<D>() * 32, KS = split_key_steps<D, BN>();
+  constexpr int kScorers = BN / 16 / KS, NO = D / 8 / split_warps<D>();
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const DecodeCta cta(p);
   const int group = cta.group, len = cta.len;
   const T* q = static_cast<const T*>(p.q);
-  float4* scores = reinterpret_cast<float4*>(smem + kRing);
+  float* row_max = reinterpret_cast<float*>(smem + S::kMax);
+  uint4* pa = reinterpret_cast<uint4*>(smem + S::kPa);
+  float4* pf = reinterpret_cast<float4*>(smem + S::kPf);
+  float* l_total = reinterpret_cast<float*>(smem + S::kL);
 
   const uint32_t base = smem_u32(smem);
   load_tile<D>(base, 16, [&](int r) { return r < group ? q + (cta.head0(p) + r) * D : nullptr; },
@@ -286,46 +310,88 @@ __global__ void __launch_bounds__(split_warps<D>() * 32) rlk_attention_decode_sp
 
   const int t = len - 1;
   const int pos[2] = {t, t};
-  RowState<NO> st[1];
-  st[0].init();
+  RowState<NO> st;
+  st.init();
   const int nblocks = t < 0 ? 0 : t / BN + 1;
   kv_walk<decode_stages<BN>()>(
-      base, BN * kStride<D> * 2, nblocks, PagedLoad<T, D, BN, kThreads>{p, cta.pages, cta.b, cta.g, len, tid},
+      base, BN * kStride<D> * 2, nblocks, PagedLoad<T, D, BN, kThreads>(p, cta, tid),
       [&](int j, uint32_t kt, uint32_t vt) {
-        // Block j's scores go to buffer j % 2: the walk's barrier at the top of block j + 1
-        // orders block j's reads before block j + 2 overwrites them.
-        float4* sb = scores + (j & 1) * (BN / 8) * 32;
+        // The walk's barrier at the top of block j + 1 orders this block's reads of the shared
+        // maxima and probabilities before block j + 1 overwrites them.
+        float s[2 * KS][4];
         if (warp < kScorers) {
-          float part[1][NS][4];
-          block_scores<T, D, NS, 1>(part, qf, kt, warp * NS, lane);
+          float part[1][2 * KS][4];
+          block_scores<T, D, 2 * KS, 1>(part, qf, kt, warp * 2 * KS, lane);
 #pragma unroll
-          for (int n = 0; n < NS; ++n) {
-            const float* c = part[0][n];
-            sb[(warp * NS + n) * 32 + lane] = make_float4(c[0], c[1], c[2], c[3]);
+          for (int n = 0; n < 2 * KS; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s[n][i] = part[0][n][i];
+          float mx[2] = {-kInf, -kInf};
+          mask_scores<2 * KS>(s, j * BN + warp * 16 * KS, pos, len, lane, mx);
+          quad_max(mx);
+          if ((lane & 3) == 0) {
+            row_max[warp * 16 + (lane >> 2)] = mx[0];
+            row_max[warp * 16 + (lane >> 2) + 8] = mx[1];
           }
         }
         __syncthreads();
-        float s[1][BN / 8][4];
+        float mx[2] = {-kInf, -kInf}, ms[2];
 #pragma unroll
-        for (int n = 0; n < BN / 8; ++n) {
-          const float4 v = sb[n * 32 + lane];
-          s[0][n][0] = v.x;
-          s[0][n][1] = v.y;
-          s[0][n][2] = v.z;
-          s[0][n][3] = v.w;
+        for (int w = 0; w < kScorers; ++w) {
+          mx[0] = fmaxf(mx[0], row_max[w * 16 + (lane >> 2)]);
+          mx[1] = fmaxf(mx[1], row_max[w * 16 + (lane >> 2) + 8]);
         }
-        block_softmax<BN, NO>(st[0], s[0], j * BN, pos, len, p.scale_log2, lane);
-        block_pv<T, D, BN, NO, 1>(st, s, vt, warp * NO * 8, lane);
+        rescale_rows(st, mx, p.scale_log2, ms);
+        if (warp < kScorers) {
+          exponentiate<2 * KS>(s, ms, p.scale_log2);
+#pragma unroll
+          for (int kk = 0; kk < KS; ++kk) {
+            uint32_t a[4];
+            c_to_a<T>(a, s, kk);
+            pa[(warp * KS + kk) * 32 + lane] = make_uint4(a[0], a[1], a[2], a[3]);
+          }
+#pragma unroll
+          for (int n = 0; n < 2 * KS; ++n)
+            pf[(warp * 2 * KS + n) * 32 + lane] = make_float4(s[n][0], s[n][1], s[n][2], s[n][3]);
+        }
+        __syncthreads();
+        if (warp == 0) {
+#pragma unroll
+          for (int n = 0; n < BN / 8; ++n) {
+            const float4 v = pf[n * 32 + lane];
+            const float pn[1][4] = {{v.x, v.y, v.z, v.w}};
+            add_to_denominator<1>(st.l, pn);
+          }
+        }
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+          const uint4 f = pa[kk * 32 + lane];
+          const uint32_t a[4] = {f.x, f.y, f.z, f.w};
+#pragma unroll
+          for (int d = 0; d < NO; d += 2) {
+            uint32_t b[4];
+            load_b_t<D>(b, vt, kk * 16, warp * NO * 8 + d * 8, lane);
+            mma<T>(st.o[d], a, b[0], b[1]);
+            mma<T>(st.o[d + 1], a, b[2], b[3]);
+          }
+        }
       });
+  if (warp == 0) {
+    const float l0 = row_total(st.l[0]), l1 = row_total(st.l[1]);
+    if ((lane & 3) == 0) {
+      l_total[lane >> 2] = l0;
+      l_total[(lane >> 2) + 8] = l1;
+    }
+  }
+  __syncthreads();
+  const float l[2] = {l_total[lane >> 2], l_total[(lane >> 2) + 8]};
   bool valid[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) valid[r] = (lane >> 2) + 8 * r < group;
   T* out = static_cast<T*>(p.out);
-  store_rows<T, NO>(
-      st[0], p.scale, valid,
-      [&](int r) { return out + (cta.head0(p) + (lane >> 2) + 8 * r) * D; },
-      [&](int r) { return p.lse + cta.head0(p) + (lane >> 2) + 8 * r; },
-      warp * NO * 8, warp == 0, lane);
+  store_rows_with<T, NO>(
+      st, l, p.scale, valid, [&](int r) { return out + (cta.head0(p) + (lane >> 2) + 8 * r) * D; },
+      [&](int r) { return p.lse + cta.head0(p) + (lane >> 2) + 8 * r; }, warp * NO * 8, warp == 0, lane);
 }
 
 template <typename Kernel>
@@ -351,7 +417,7 @@ template <typename T, int D, int BN>
 cudaError_t launch_attention_decode(const DecodeParams& p, int batch, cudaStream_t stream) {
   if (p.hq / p.hkv <= 16) {
     auto kernel = rlk_attention_decode_split_kernel<T, D, BN>;
-    constexpr int smem = split_decode_smem_bytes<D, BN>();
+    constexpr int smem = SplitSmem<D, BN>::kBytes;
     if (cudaError_t e = set_smem(kernel, smem); e != cudaSuccess) return e;
     kernel<<<batch * p.hkv, split_warps<D>() * 32, smem, stream>>>(p);
     return cudaGetLastError();

@@ -71,29 +71,48 @@ __device__ __forceinline__ void block_scores(float (&s)[MT][NS][4], QFrag&& qfra
   }
 }
 
-// Masks one row tile's scores of the block (a key is visible to a row at position pos when
-// key <= pos and key < klen), moves the running max, rescales the state and turns s into
-// probabilities. A block fully masked for a row leaves its state unchanged (alpha = 1, p = 0).
-template <int BN, int NO>
-__device__ __forceinline__ void block_softmax(RowState<NO>& st, float (&s)[BN / 8][4], int kstart,
-                                              const int (&pos)[2], int klen, float scale_log2,
-                                              int lane) {
-  float mx[2] = {-kInf, -kInf};
+// The softmax update of a block, in steps that the kernels compose (block_softmax below, or the
+// decode spreading one block over several warps). Each step spells out its roundings.
+
+// Masks NT n8 key tiles of scores, from key kstart (a key is visible to a row at position pos when
+// key <= pos and key < klen), and folds them into this thread's row maxima mx. Tiles visible to
+// both rows whole are left as they are (the select would keep every value).
+template <int NT>
+__device__ __forceinline__ void mask_scores(float (&s)[NT][4], int kstart, const int (&pos)[2], int klen,
+                                            int lane, float (&mx)[2]) {
+  if (kstart + NT * 8 - 1 > min(pos[0], pos[1]) || kstart + NT * 8 > klen) {
 #pragma unroll
-  for (int n = 0; n < BN / 8; ++n) {
+    for (int n = 0; n < NT; ++n) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int key = kstart + n * 8 + 2 * (lane & 3) + (i & 1);
-      const bool vis = key <= pos[i >> 1] && key < klen;
-      s[n][i] = vis ? s[n][i] : -kInf;
-      mx[i >> 1] = fmaxf(mx[i >> 1], s[n][i]);
+      for (int i = 0; i < 4; ++i) {
+        const int key = kstart + n * 8 + 2 * (lane & 3) + (i & 1);
+        s[n][i] = key <= pos[i >> 1] && key < klen ? s[n][i] : -kInf;
+      }
     }
   }
-  float alpha[2], ms[2];
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) mx[i >> 1] = fmaxf(mx[i >> 1], s[n][i]);
+}
+
+// The row maxima of the four lanes that share each row (exact: max is order free).
+__device__ __forceinline__ void quad_max(float (&mx)[2]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     mx[r] = fmaxf(mx[r], shfl_xor(mx[r], 1));
     mx[r] = fmaxf(mx[r], shfl_xor(mx[r], 2));
+  }
+}
+
+// Moves the running max to include the block's max mx and rescales l and the NO output tiles;
+// ms receives the new max times scale_log2 (0 while the row has seen no visible key).
+template <int NO>
+__device__ __forceinline__ void rescale_rows(RowState<NO>& st, const float (&mx)[2], float scale_log2,
+                                             float (&ms)[2]) {
+  float alpha[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
     const float m_new = fmaxf(st.m[r], mx[r]);
     alpha[r] = m_new == st.m[r] ? 1.f : ex2(__fmul_rn(__fsub_rn(st.m[r], m_new), scale_log2));
     ms[r] = m_new == -kInf ? 0.f : __fmul_rn(m_new, scale_log2);
@@ -107,15 +126,38 @@ __device__ __forceinline__ void block_softmax(RowState<NO>& st, float (&s)[BN / 
     st.o[d][2] = __fmul_rn(st.o[d][2], alpha[1]);
     st.o[d][3] = __fmul_rn(st.o[d][3], alpha[1]);
   }
+}
+
+// s -> exp2(s * scale_log2 - ms) for NT n8 key tiles.
+template <int NT>
+__device__ __forceinline__ void exponentiate(float (&s)[NT][4], const float (&ms)[2], float scale_log2) {
 #pragma unroll
-  for (int n = 0; n < BN / 8; ++n) {
+  for (int n = 0; n < NT; ++n)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float p = ex2(__fmaf_rn(s[n][i], scale_log2, -ms[i >> 1]));
-      s[n][i] = p;
-      st.l[i >> 1] = __fadd_rn(st.l[i >> 1], p);
-    }
-  }
+    for (int i = 0; i < 4; ++i) s[n][i] = ex2(__fmaf_rn(s[n][i], scale_log2, -ms[i >> 1]));
+}
+
+// l += the probabilities of NT n8 key tiles, tile by tile in key order.
+template <int NT>
+__device__ __forceinline__ void add_to_denominator(float (&l)[2], const float (&p)[NT][4]) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) l[i >> 1] = __fadd_rn(l[i >> 1], p[n][i]);
+}
+
+// The whole update of one row tile by a block: mask, max, rescale, then s becomes the block's
+// probabilities. A block fully masked for a row leaves its state unchanged (alpha = 1, p = 0).
+template <int BN, int NO>
+__device__ __forceinline__ void block_softmax(RowState<NO>& st, float (&s)[BN / 8][4], int kstart,
+                                              const int (&pos)[2], int klen, float scale_log2,
+                                              int lane) {
+  float mx[2] = {-kInf, -kInf}, ms[2];
+  mask_scores<BN / 8>(s, kstart, pos, klen, lane, mx);
+  quad_max(mx);
+  rescale_rows(st, mx, scale_log2, ms);
+  exponentiate<BN / 8>(s, ms, scale_log2);
+  add_to_denominator<BN / 8>(st.l, s);
 }
 
 // o += P . V for MT row tiles over the states' NO output tiles, which start at column d0 of the
@@ -155,19 +197,22 @@ __device__ __forceinline__ void attention_block(RowState<D / 8> (&st)[MT], QFrag
   block_pv<T, D, BN, D / 8, MT>(st, s, vs, 0, lane);
 }
 
-// out = o / l (one rounding to T), lse = m * scale + ln(l). The state's tiles are output columns
-// col0.. ; rows r with valid[r] false are not stored, nor the lse when write_lse is false.
-// out_row(r) gives the T* of row r's D outputs; lse_at(r) its float*.
+// The softmax denominator of a row: the partials of the four lanes that share it.
+__device__ __forceinline__ float row_total(float l) {
+  l = __fadd_rn(l, shfl_xor(l, 1));
+  return __fadd_rn(l, shfl_xor(l, 2));
+}
+
+// out = o / l (one rounding to T), lse = m * scale + ln(l), with l the rows' whole denominators.
+// The state's tiles are output columns col0.. ; rows r with valid[r] false are not stored, nor the
+// lse when write_lse is false. out_row(r) gives the T* of row r's D outputs; lse_at(r) its float*.
 template <typename T, int NO, typename OutRow, typename LseAt>
-__device__ __forceinline__ void store_rows(RowState<NO>& st, float scale, const bool (&valid)[2],
-                                           OutRow&& out_row, LseAt&& lse_at, int col0,
-                                           bool write_lse, int lane) {
+__device__ __forceinline__ void store_rows_with(const RowState<NO>& st, const float (&l)[2], float scale,
+                                                const bool (&valid)[2], OutRow&& out_row, LseAt&& lse_at,
+                                                int col0, bool write_lse, int lane) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float l = st.l[r];
-    l = __fadd_rn(l, shfl_xor(l, 1));
-    l = __fadd_rn(l, shfl_xor(l, 2));
-    const float inv = __frcp_rn(l);
+    const float inv = __frcp_rn(l[r]);
     if (!valid[r]) continue;
     T* out = out_row(r);
 #pragma unroll
@@ -176,8 +221,17 @@ __device__ __forceinline__ void store_rows(RowState<NO>& st, float scale, const 
       *reinterpret_cast<uint32_t*>(out + c) =
           pack2<T>(__fmul_rn(st.o[d][2 * r], inv), __fmul_rn(st.o[d][2 * r + 1], inv));
     }
-    if (write_lse && (lane & 3) == 0) *lse_at(r) = __fadd_rn(__fmul_rn(st.m[r], scale), __logf(l));
+    if (write_lse && (lane & 3) == 0) *lse_at(r) = __fadd_rn(__fmul_rn(st.m[r], scale), __logf(l[r]));
   }
+}
+
+// store_rows_with for a state that holds its own denominator partials.
+template <typename T, int NO, typename OutRow, typename LseAt>
+__device__ __forceinline__ void store_rows(const RowState<NO>& st, float scale, const bool (&valid)[2],
+                                           OutRow&& out_row, LseAt&& lse_at, int col0,
+                                           bool write_lse, int lane) {
+  const float l[2] = {row_total(st.l[0]), row_total(st.l[1])};
+  store_rows_with<T, NO>(st, l, scale, valid, out_row, lse_at, col0, write_lse, lane);
 }
 
 // Blocks 0..nblocks-1 through a `kStages`-deep cp.async ring of (K, V) tile pairs of tile_bytes

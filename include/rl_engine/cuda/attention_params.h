@@ -62,8 +62,9 @@ struct BwdParams {
 
 // Each returns the launch status; dtype, head_dim (64 or 128) and kv_block_size (16, 32, 64, 128)
 // must be checked by the caller. grid_tiles bounds the tiles from above: ceil(rows / tile) + batch.
+// tq, tk: rows of q and of k / v.
 cudaError_t launch_fwd(const FwdParams& p, AttnDType dtype, int head_dim, int kv_block_size,
-                       int grid_tiles, cudaStream_t stream);
+                       int64_t tq, int64_t tk, int grid_tiles, cudaStream_t stream);
 cudaError_t launch_decode(const DecodeParams& p, AttnDType dtype, int head_dim, int kv_block_size,
                           int batch, cudaStream_t stream);
 // delta (fp32 [Tq, Hq]) is scratch for dO . O; out is the forward output [Tq, Hq, D].
