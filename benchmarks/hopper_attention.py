@@ -155,11 +155,12 @@ def main():
            "decode_hbm_fraction": dec["hbm_fraction"] >= TARGETS["decode_hbm_fraction"]}
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
                   build=json.loads(ops.build_info()),
-                  kernels=("prefill: wgmma m64nNk16 with bulk tensor copies (a producer warpgroup "
-                           "fills a 3-stage K/V ring, two consumer warpgroups of 64 query rows); "
-                           "backward: mma.sync m16n8k16 dq and dk/dv kernels; paged decode: "
-                           "mma.sync, each block's scores, softmax and P.V done once, spread over "
-                           "D/16 warps, pages looked up a block ahead"),
+                  kernels=("wgmma m64nNk16 with bulk tensor copies: prefill (a producer warpgroup "
+                           "fills a 3-stage K/V ring, two consumer warpgroups of 64 query rows), "
+                           "backward dq (two warpgroups of 64 rows) and dk/dv (two warpgroups of 64 "
+                           "keys, 64-row query steps, chunk partials added in chunk order); paged "
+                           "decode on mma.sync, each block's scores, softmax and P.V done once, "
+                           "spread over D/16 warps, pages looked up a block ahead"),
                   shape=dict(hq=HQ, hkv=HKV, head_dim=D, kv_block_size=BLOCK, q_chunk_size=BLOCK),
                   ratio="median SDPA time / median rl_engine time (above 1: rl_engine faster)",
                   copy_tbs=copy_tbs(args.repeats), datasheet_tbs=DATASHEET_TBS,

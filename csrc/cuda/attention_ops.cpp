@@ -208,7 +208,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
                     as_int(batch, op, "batch"), static_cast<int>(hq), static_cast<int>(hkv),
                     static_cast<int>(std::min<int64_t>(q_chunk_size, std::numeric_limits<int32_t>::max())),
                     static_cast<float>(softmax_scale), static_cast<float>(softmax_scale * kLog2e)};
-  check_cuda(launch_bwd(p, oc.data_ptr(), delta.data_ptr<float>(), dt, static_cast<int>(d), tq,
+  check_cuda(launch_bwd(p, oc.data_ptr(), delta.data_ptr<float>(), dt, static_cast<int>(d), tq, tk,
                         static_cast<int>(q_tiles), static_cast<int>(k_tiles),
                         at::cuda::getCurrentCUDAStream()),
              op);

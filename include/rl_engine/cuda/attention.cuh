@@ -431,4 +431,3 @@ cudaError_t launch_attention_decode(const DecodeParams& p, int batch, cudaStream
 
 }  // namespace rl_engine::cuda::attn
 
-#include "rl_engine/cuda/attention_bwd.cuh"

@@ -14,8 +14,8 @@ enum class AttnDType : int { kBF16 = 0, kF16 = 1 };
 // Query rows per CTA of the prefill forward and of the backward's dq, key rows per CTA of the
 // backward's dk/dv, and query heads per kv head the decode takes: the launchers size grids with them.
 constexpr int kFwdRows = 128;
-constexpr int kDqRows = 64;
-constexpr int kDkvKeys = 64;
+constexpr int kDqRows = 128;
+constexpr int kDkvKeys = 128;
 constexpr int kDecodeMaxGroup = 64;
 
 struct FwdParams {
@@ -69,6 +69,6 @@ cudaError_t launch_decode(const DecodeParams& p, AttnDType dtype, int head_dim, 
                           int batch, cudaStream_t stream);
 // delta (fp32 [Tq, Hq]) is scratch for dO . O; out is the forward output [Tq, Hq, D].
 cudaError_t launch_bwd(const BwdParams& p, const void* out, float* delta, AttnDType dtype,
-                       int head_dim, int64_t tq, int q_tiles, int k_tiles, cudaStream_t stream);
+                       int head_dim, int64_t tq, int64_t tk, int q_tiles, int k_tiles, cudaStream_t stream);
 
 }  // namespace rl_engine::cuda::attn

@@ -1,0 +1,343 @@
+// dk/dv of the Hopper attention backward on wgmma and bulk tensor copies (sm_90a).
+//
+// One CTA per 128 keys of one kv head, warpgroup c owning keys 64c .. 64c + 63. The CTA walks the
+// query rows of its sequence chunk by chunk (a chunk is the rows with position // q_chunk_size ==
+// c), each chunk in 64-row steps anchored at the chunk's first row, the heads of the kv group
+// inside each step in head order. Per step, with the keys as the m64 rows: S^T = K Q^T,
+// dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q, 16 query rows per k16 step in row order. A
+// chunk's fp32 partial is added to dk/dv in chunk order (dk += scale * part) by the one thread that
+// owns each element, so a call holding only some whole chunks computes the same partials as a call
+// holding all of them: the context-parallel split gives the bits of one call. The first warp also
+// copies the steps a few ahead into a ring.
+#pragma once
+
+#include "rl_engine/cuda/attention_wgmma.cuh"
+
+namespace rl_engine::cuda::attn {
+
+constexpr int kDkvStepRows = 64;
+
+// One step of the walk: rows [r, r + n) of head h of the group; chunk_end ends r's chunk.
+struct Step {
+  int r, n, h, chunk_end;
+};
+
+// First row in [lo, hi) whose position is >= value (positions increase within a sequence).
+__device__ __forceinline__ int lower_bound_pos(const int64_t* pos, int lo, int hi, int64_t value) {
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (pos[mid] < value) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+// The sequence of steps of one key tile (the producer walks it and hands each Step on in its stage).
+struct StepWalk {
+  const int64_t* pos;
+  int qend, group, q_chunk;
+  // The row after row r's chunk. Positions usually run on by one, so the guess from r's position
+  // is checked first (two loads instead of a binary search's dependent chain).
+  __device__ __forceinline__ int chunk_end(int r) const {
+    const int64_t p0 = pos[r], target = (p0 / q_chunk + 1) * q_chunk;
+    const int64_t guess = r + (target - p0);
+    if (guess >= qend) {
+      if (pos[qend - 1] < target) return qend;
+    } else if (pos[guess] >= target && pos[guess - 1] < target) {
+      return static_cast<int>(guess);
+    }
+    return lower_bound_pos(pos, r, qend, target);
+  }
+  // The first step that can see keys from kstart on (rows of earlier chunks see none of them).
+  __device__ __forceinline__ Step first(int qbeg, int kstart, bool any_key) const {
+    Step st;
+    st.r = any_key ? lower_bound_pos(pos, qbeg, qend, (int64_t)(kstart / q_chunk) * q_chunk) : qend;
+    st.h = 0;
+    st.chunk_end = st.r < qend ? chunk_end(st.r) : qend;
+    st.n = min(kDkvStepRows, st.chunk_end - st.r);
+    return st;
+  }
+  __device__ __forceinline__ Step next(const Step& st) const {
+    Step nx = st;
+    if (st.h + 1 < group) {
+      nx.h = st.h + 1;
+      return nx;
+    }
+    nx.h = 0;
+    nx.r = st.r + kDkvStepRows;
+    if (nx.r >= st.chunk_end) {
+      nx.r = st.chunk_end;
+      nx.chunk_end = nx.r < qend ? chunk_end(nx.r) : qend;
+    }
+    nx.n = min(kDkvStepRows, nx.chunk_end - nx.r);
+    return nx;
+  }
+  // Whether st is the last step of its chunk (its last rows, the group's last head).
+  __device__ __forceinline__ bool ends_chunk(const Step& st) const {
+    return st.h + 1 == group && st.r + kDkvStepRows >= st.chunk_end;
+  }
+};
+
+template <int D>
+struct WgDkv {
+  static constexpr int kPanels = D / 64;
+  static constexpr uint32_t kKvTile = kDkvKeys * D * 2;         // K or V of the CTA's keys
+  static constexpr uint32_t kRowTile = kDkvStepRows * D * 2;    // Q or dO of one step
+  // lse, delta and pos of the step's rows, then the Step itself (padded: stages stay 1024-aligned)
+  static constexpr uint32_t kMeta = 2048;
+  static_assert(kDkvStepRows * (4 + 4 + 8) + sizeof(Step) <= kMeta, "stage metadata");
+  static constexpr uint32_t kStage = 2 * kRowTile + kMeta;
+  static constexpr int kStages = 3;
+  static constexpr int kSmemBytes = 1024 + 2 * kKvTile + kStages * kStage + (2 * kStages + 1) * 8;
+  static constexpr int kThreads = 2 * 128;
+  static_assert(kDkvKeys == 128, "two consumer warpgroups of 64 keys");
+};
+
+// Zeroes rows [from, 64) of a [64][D] step tile (both panels) in shared memory.
+template <int D>
+__device__ __forceinline__ void zero_rows(uint32_t tile, int from, int tid) {
+  constexpr int kPanels = D / 64;
+  for (int i = tid; i < (kDkvStepRows - from) * kPanels * 8; i += 128) {
+    const int r = from + i / (kPanels * 8), pn = (i / 8) % kPanels, ch = i % 8;
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(tile + pn * kDkvStepRows * 128 + r * 128 + ch * 16),
+                 "r"(0)
+                 : "memory");
+  }
+}
+
+// *addr += (x, y) as a reduction in memory (no value comes back, so nothing waits for it).
+__device__ __forceinline__ void red_add2(float* addr, float x, float y) {
+  asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};" ::"l"(addr), "f"(x), "f"(y));
+}
+
+// Arrives on `bar` once every cp.async this thread issued before has landed.
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(WgDkv<D>::kThreads, 1)
+    rlk_attention_bwd_dkdv_kernel(const __grid_constant__ CUtensorMap map_q,
+                                  const __grid_constant__ CUtensorMap map_do,
+                                  const __grid_constant__ CUtensorMap map_k,
+                                  const __grid_constant__ CUtensorMap map_v, BwdParams p) {
+  using C = WgDkv<D>;
+  constexpr bool kHalf = std::is_same_v<T, __half>;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t ks = (smem_u32(smem_raw) + 1023u) & ~1023u, vs = ks + C::kKvTile;
+  const uint32_t stages = vs + C::kKvTile, bars = stages + C::kStages * C::kStage;
+  auto q_tile = [&](int s) { return stages + s * C::kStage; };
+  auto meta = [&](int s) { return q_tile(s) + 2 * C::kRowTile; };
+  auto full = [&](int s) { return bars + 8u * s; };
+  auto empty = [&](int s) { return bars + 8u * (C::kStages + s); };
+  const uint32_t kv_bar = bars + 8u * 2 * C::kStages;
+
+  const int g = blockIdx.x % p.hkv;
+  int b, tile;
+  if (!find_tile(p.cu_k, p.batch, kDkvKeys, blockIdx.x / p.hkv, b, tile)) return;
+  const int kbase = p.cu_k[b], klen = p.cu_k[b + 1] - kbase, kstart = tile * kDkvKeys;
+  const int qbeg = p.cu_q[b], qend = p.cu_q[b + 1], group = p.hq / p.hkv;
+  const StepWalk walk{p.pos, qend, group, p.q_chunk};
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < C::kStages; ++s) {
+      ptx::mbar_init(full(s), 1 + 32);  // the copy lane's expect_tx + one cp.async arrival per lane
+      ptx::mbar_init(empty(s), 2);
+    }
+    ptx::mbar_init(kv_bar, 1);
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+
+  // The producer: warp 0 copies step `pit` of the walk `pcur` into its stage once both
+  // warpgroups have released the stage's previous step (one lane issues the tensor copies and
+  // stores the Step, every lane two rows' lse, delta and position, whose landing it signals on the
+  // stage's barrier). After the last step a stage holding only a Step with r = qend ends the walk.
+  Step pcur = walk.first(qbeg, kstart, kstart < klen);
+  int pit = 0;
+  bool walked = false;
+  auto produce = [&] {
+    if (walked) return;
+    walked = pcur.r >= qend;
+    const int s = pit % C::kStages, hh = g * group + pcur.h;
+    ptx::mbar_wait(empty(s), ((pit / C::kStages) & 1) ^ 1);  // first pass: the slot starts free
+    if (lane == 0) {
+      *reinterpret_cast<Step*>(smem_raw + (meta(s) - smem_u32(smem_raw)) + C::kMeta - sizeof(Step)) = pcur;
+      ptx::mbar_arrive_expect_tx(full(s), walked ? 0 : 2 * C::kRowTile);
+    }
+    if (walked) {
+      cp_async_arrive(full(s));
+      return;
+    }
+    if (lane == 0) {
+      for (int pn = 0; pn < C::kPanels; ++pn) {
+        ptx::tma_load_3d(q_tile(s) + pn * kDkvStepRows * 128, &map_q, full(s), 64 * pn, hh, pcur.r);
+        ptx::tma_load_3d(q_tile(s) + C::kRowTile + pn * kDkvStepRows * 128, &map_do, full(s), 64 * pn,
+                         hh, pcur.r);
+      }
+    }
+    for (int row = lane; row < kDkvStepRows; row += 32) {
+      const bool ok = row < pcur.n;
+      const int64_t i = (int64_t)(pcur.r + (ok ? row : 0)) * p.hq + hh;
+      cp_async4or8<4>(meta(s) + row * 4, p.lse + i, ok);
+      cp_async4or8<4>(meta(s) + kDkvStepRows * 4 + row * 4, p.delta + i, ok);
+      cp_async4or8<8>(meta(s) + kDkvStepRows * 8 + row * 8, p.pos + pcur.r + (ok ? row : 0), ok);
+    }
+    cp_async_arrive(full(s));
+    pcur = walk.next(pcur);
+    ++pit;
+  };
+  const bool producer = threadIdx.x < 32;
+  if (producer) {
+    if (lane == 0) {
+      ptx::mbar_arrive_expect_tx(kv_bar, 2 * C::kKvTile);
+      for (int pn = 0; pn < C::kPanels; ++pn) {
+        ptx::tma_load_3d(ks + pn * kDkvKeys * 128, &map_k, kv_bar, 64 * pn, g, kbase + kstart);
+        ptx::tma_load_3d(vs + pn * kDkvKeys * 128, &map_v, kv_bar, 64 * pn, g, kbase + kstart);
+      }
+    }
+    for (int i = 0; i < C::kStages - 1; ++i) produce();
+  }
+
+  // Warpgroup c owns keys 64c .. 64c + 63 of the tile and computes all four products for them.
+  const int c = wg, wkey = c * 64 + warp * 16;  // this warp's first key row in the tile
+  float pk[D / 8][4], pv[D / 8][4];
+#pragma unroll
+  for (int d = 0; d < D / 8; ++d)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) pk[d][i] = pv[d][i] = 0.f;
+  float* dk = p.dk + ((int64_t)kbase * p.hkv + g) * D;
+  float* dv = p.dv + ((int64_t)kbase * p.hkv + g) * D;
+  // Adds the chunk's partials to dk (scaled) and dv and clears them. dk and dv start at zero and
+  // each element has this one writer, whose reductions to an address apply in program order: the
+  // sums run in chunk order, as a load-add-store would, without waiting for the loads.
+  auto flush = [&] {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int key = kstart + wkey + (lane >> 2) + 8 * r;
+      if (key >= klen) continue;
+      float* kr = dk + (int64_t)key * p.hkv * D + 2 * (lane & 3);
+      float* vr = dv + (int64_t)key * p.hkv * D + 2 * (lane & 3);
+      // Opaque to the compiler, so that it does not hoist 64 addresses out of the walk.
+      asm volatile("" : "+l"(kr), "+l"(vr));
+#pragma unroll
+      for (int d = 0; d < D / 8; ++d) {
+        const int col = d * 8;
+        red_add2(kr + col, __fmul_rn(p.scale, pk[d][2 * r]), __fmul_rn(p.scale, pk[d][2 * r + 1]));
+        red_add2(vr + col, pv[d][2 * r], pv[d][2 * r + 1]);
+      }
+    }
+#pragma unroll
+    for (int d = 0; d < D / 8; ++d)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pk[d][i] = pv[d][i] = 0.f;
+  };
+
+  ptx::mbar_wait(kv_bar, 0);
+  const uint32_t k_rows = ks + c * 64 * 128, v_rows = vs + c * 64 * 128;
+  for (int it = 0;; ++it) {
+    if (producer) produce();  // step it + kStages - 1
+    const int s = it % C::kStages;
+    ptx::mbar_wait(full(s), (it / C::kStages) & 1);
+    const Step cur = *reinterpret_cast<const Step*>(smem_raw + (meta(s) - smem_u32(smem_raw)) + C::kMeta -
+                                                    sizeof(Step));
+    if (cur.r >= qend) break;
+    const uint32_t qs = q_tile(s), ds = qs + C::kRowTile;
+    if (cur.n < kDkvStepRows) {
+      // The copies read past the chunk (rows that are masked); zero them so that 0 * x adds
+      // exactly zero even where x is inf or NaN.
+      zero_rows<D>(qs, cur.n, tid);
+      zero_rows<D>(ds, cur.n, tid);
+      ptx::fence_proxy_async_smem();
+      ptx::named_bar_sync(1 + c, 128);
+    }
+    const float* lse_s = reinterpret_cast<const float*>(smem_raw + (meta(s) - smem_u32(smem_raw)));
+    const float* delta_s = lse_s + kDkvStepRows;
+    const int64_t* pos_s = reinterpret_cast<const int64_t*>(lse_s + 2 * kDkvStepRows);
+    // Whether every row of the step sees every key of this warpgroup (the step's first row has
+    // the least position), so that nothing needs masking.
+    const bool all_visible = cur.n == kDkvStepRows && kstart + c * 64 + 63 <= pos_s[0] &&
+                             kstart + c * 64 + 64 <= klen;
+    // sc, dp: S^T and dP^T, rows the warp's keys, columns the step's query rows.
+    float sc[kDkvStepRows / 8][4], dp[kDkvStepRows / 8][4];
+#pragma unroll
+    for (int n = 0; n < kDkvStepRows / 8; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sc[n][i] = dp[n][i] = 0.f;
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const int pn = kk / 4, off = (kk % 4) * 32;
+      ptx::wgmma_ss<kDkvStepRows, kHalf>(reinterpret_cast<float(&)[kDkvStepRows / 2]>(sc),
+                                         ptx::smem_desc_sw128(k_rows + pn * kDkvKeys * 128 + off),
+                                         ptx::smem_desc_sw128(qs + pn * kDkvStepRows * 128 + off));
+      ptx::wgmma_ss<kDkvStepRows, kHalf>(reinterpret_cast<float(&)[kDkvStepRows / 2]>(dp),
+                                         ptx::smem_desc_sw128(v_rows + pn * kDkvKeys * 128 + off),
+                                         ptx::smem_desc_sw128(ds + pn * kDkvStepRows * 128 + off));
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+#pragma unroll
+    for (int n = 0; n < kDkvStepRows / 8; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        ptx::reg_fence(sc[n][i]);
+        ptx::reg_fence(dp[n][i]);
+        const int key = kstart + wkey + (lane >> 2) + 8 * (i >> 1);
+        const int row = n * 8 + 2 * (lane & 3) + (i & 1);
+        const bool vis = all_visible || (row < cur.n && key <= pos_s[row] && key < klen);
+        const float pr = ex2(__fmaf_rn(sc[n][i], p.scale_log2, -__fmul_rn(lse_s[row], kLog2e)));
+        sc[n][i] = vis ? pr : 0.f;
+        dp[n][i] = vis ? __fmul_rn(pr, __fsub_rn(dp[n][i], delta_s[row])) : 0.f;
+      }
+    }
+    uint32_t ap[kDkvStepRows / 16][4], as[kDkvStepRows / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kDkvStepRows / 16; ++kk) {
+      c_to_a<T>(ap[kk], sc, kk);
+      c_to_a<T>(as[kk], dp, kk);
+    }
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kDkvStepRows / 16; ++kk) {
+      ptx::wgmma_rs<D, kHalf>(reinterpret_cast<float(&)[D / 2]>(pv), ap[kk],
+                              ptx::smem_desc_sw128_mn(ds + kk * 16 * 128, kDkvStepRows * 128));
+      ptx::wgmma_rs<D, kHalf>(reinterpret_cast<float(&)[D / 2]>(pk), as[kk],
+                              ptx::smem_desc_sw128_mn(qs + kk * 16 * 128, kDkvStepRows * 128));
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+#pragma unroll
+    for (int d = 0; d < D / 8; ++d)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        ptx::reg_fence(pk[d][i]);
+        ptx::reg_fence(pv[d][i]);
+      }
+    if (tid == 0) ptx::mbar_arrive(empty(s));
+    if (walk.ends_chunk(cur)) flush();
+  }
+}
+
+template <typename T, int D>
+cudaError_t launch_attention_dkdv(const BwdParams& p, int64_t tq, int64_t tk, int k_tiles,
+                                  cudaStream_t stream) {
+  using C = WgDkv<D>;
+  constexpr bool kHalf = std::is_same_v<T, __half>;
+  CUtensorMap mq, mdo, mk, mv;
+  cudaError_t e = encode_rows_map(&mq, p.q, kHalf, tq, p.hq, D, kDkvStepRows);
+  if (e == cudaSuccess) e = encode_rows_map(&mdo, p.dout, kHalf, tq, p.hq, D, kDkvStepRows);
+  if (e == cudaSuccess) e = encode_rows_map(&mk, p.k, kHalf, tk, p.hkv, D, kDkvKeys);
+  if (e == cudaSuccess) e = encode_rows_map(&mv, p.v, kHalf, tk, p.hkv, D, kDkvKeys);
+  if (e != cudaSuccess) return e;
+  // The kernel adds each chunk's partials into dk and dv (keys no row sees stay zero).
+  const size_t bytes = static_cast<size_t>(tk) * p.hkv * D * sizeof(float);
+  if ((e = cudaMemsetAsync(p.dk, 0, bytes, stream)) != cudaSuccess) return e;
+  if ((e = cudaMemsetAsync(p.dv, 0, bytes, stream)) != cudaSuccess) return e;
+  auto kernel = rlk_attention_bwd_dkdv_kernel<T, D>;
+  if ((e = set_smem(kernel, C::kSmemBytes)) != cudaSuccess) return e;
+  kernel<<<k_tiles * p.hkv, C::kThreads, C::kSmemBytes, stream>>>(mq, mdo, mk, mv, p);
+  return cudaGetLastError();
+}
+
+}  // namespace rl_engine::cuda::attn

@@ -1,0 +1,202 @@
+// dq of the Hopper attention backward on wgmma and bulk tensor copies (sm_90a), no atomics.
+//
+// One CTA per 128 query rows of one head: warpgroups 0 and 1 each own 64 rows, and the first warp
+// also copies the key blocks a few ahead into a ring (Q and dO once, up front). Per 64-key block:
+// S = Q K^T and dP = dO V^T, dS = P (dP - delta), then dQ += dS K 16 keys at a time. Every dq
+// element is one chain of k16 products over keys in order from key 0, so it depends neither on
+// the block size nor on the rows that share the CTA (and equals the mma.sync chain bit for bit).
+#pragma once
+
+#include "rl_engine/cuda/attention_dkdv.cuh"
+
+namespace rl_engine::cuda::attn {
+
+template <int D>
+struct WgDq {
+  static constexpr int kKeys = 64;  // keys per block
+  static constexpr int kPanels = D / 64;
+  static constexpr uint32_t kRowTile = kDqRows * D * 2;  // Q or dO of the CTA's rows
+  static constexpr uint32_t kKeyTile = kKeys * D * 2;    // K or V of one block
+  static constexpr int kStages = 3;
+  static constexpr int kSmemBytes = 1024 + 2 * kRowTile + kStages * 2 * kKeyTile + (2 * kStages + 1) * 8;
+  static constexpr int kThreads = 2 * 128;
+  static_assert(kDqRows == 128, "two consumer warpgroups of 64 rows");
+  static_assert(kKeys == kDkvStepRows, "zero_rows clears 64-row tiles");
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(WgDq<D>::kThreads, 1)
+    rlk_attention_bwd_dq_kernel(const __grid_constant__ CUtensorMap map_q,
+                                const __grid_constant__ CUtensorMap map_do,
+                                const __grid_constant__ CUtensorMap map_k,
+                                const __grid_constant__ CUtensorMap map_v, BwdParams p) {
+  using C = WgDq<D>;
+  constexpr int BN = C::kKeys;
+  constexpr bool kHalf = std::is_same_v<T, __half>;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  __shared__ int row_pos[kDqRows];
+  const uint32_t qs = (smem_u32(smem_raw) + 1023u) & ~1023u, ds = qs + C::kRowTile;
+  const uint32_t ring = ds + C::kRowTile, bars = ring + C::kStages * 2 * C::kKeyTile;
+  auto k_tile = [&](int s) { return ring + 2 * s * C::kKeyTile; };
+  auto full = [&](int s) { return bars + 8u * s; };
+  auto empty = [&](int s) { return bars + 8u * (C::kStages + s); };
+  const uint32_t q_bar = bars + 8u * 2 * C::kStages;
+
+  const int h = blockIdx.x % p.hq, rev = blockIdx.x / p.hq;
+  const int total = count_tiles(p.cu_q, p.batch, kDqRows);
+  int b, tile;
+  if (rev >= total || !find_tile(p.cu_q, p.batch, kDqRows, total - 1 - rev, b, tile)) return;
+  const int row0 = p.cu_q[b] + tile * kDqRows, nrows = min(kDqRows, p.cu_q[b + 1] - row0);
+  const int kbase = p.cu_k[b], klen = p.cu_k[b + 1] - kbase, g = h / (p.hq / p.hkv);
+  if (threadIdx.x < kDqRows)
+    row_pos[threadIdx.x] = threadIdx.x < nrows ? static_cast<int>(p.pos[row0 + threadIdx.x]) : 0;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < C::kStages; ++s) {
+      ptx::mbar_init(full(s), 1);
+      ptx::mbar_init(empty(s), 2);
+    }
+    ptx::mbar_init(q_bar, 1);
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+  auto last_key = [&](int first, int rows) {  // the last key any of these rows sees (-1: none)
+    int m = -1;
+    for (int r = 0; r < rows; ++r) m = max(m, row_pos[first + r]);
+    return min(m, klen - 1);
+  };
+  const int c = threadIdx.x / 128, tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int last = last_key(0, nrows), nblocks = last < 0 ? 0 : last / BN + 1;
+
+  const bool producer = threadIdx.x == 0;
+  int pj = 0;
+  auto produce = [&] {  // copies block pj once both warpgroups released its slot's previous block
+    if (pj >= nblocks) return;
+    const int s = pj % C::kStages;
+    ptx::mbar_wait(empty(s), ((pj / C::kStages) & 1) ^ 1);  // first pass: the slot starts free
+    ptx::mbar_arrive_expect_tx(full(s), 2 * C::kKeyTile);
+    for (int pn = 0; pn < C::kPanels; ++pn) {
+      ptx::tma_load_3d(k_tile(s) + pn * BN * 128, &map_k, full(s), 64 * pn, g, kbase + pj * BN);
+      ptx::tma_load_3d(k_tile(s) + C::kKeyTile + pn * BN * 128, &map_v, full(s), 64 * pn, g, kbase + pj * BN);
+    }
+    ++pj;
+  };
+  if (producer) {
+    ptx::mbar_arrive_expect_tx(q_bar, 2 * C::kRowTile);
+    for (int pn = 0; pn < C::kPanels; ++pn) {
+      ptx::tma_load_3d(qs + pn * kDqRows * 128, &map_q, q_bar, 64 * pn, h, row0);
+      ptx::tma_load_3d(ds + pn * kDqRows * 128, &map_do, q_bar, 64 * pn, h, row0);
+    }
+    for (int i = 0; i < C::kStages - 1; ++i) produce();
+  }
+
+  const int wg_last = last_key(c * 64, max(0, min(64, nrows - c * 64)));
+  const int first_row = c * 64 + warp * 16 + (lane >> 2);
+  int pos[2];
+  bool valid[2];
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = first_row + 8 * r;
+    valid[r] = row < nrows;
+    const int64_t i = (int64_t)(row0 + row) * p.hq + h;
+    pos[r] = row_pos[row];
+    lse2[r] = valid[r] ? __fmul_rn(p.lse[i], kLog2e) : 0.f;
+    delta[r] = valid[r] ? p.delta[i] : 0.f;
+  }
+  float acc[D / 8][4];
+#pragma unroll
+  for (int d = 0; d < D / 8; ++d) acc[d][0] = acc[d][1] = acc[d][2] = acc[d][3] = 0.f;
+  ptx::mbar_wait(q_bar, 0);
+  const uint32_t q_rows = qs + c * 64 * 128, do_rows = ds + c * 64 * 128;
+
+  for (int j = 0; j < nblocks; ++j) {
+    if (producer) produce();  // block j + kStages - 1
+    const int s = j % C::kStages;
+    ptx::mbar_wait(full(s), (j / C::kStages) & 1);
+    if (j * BN <= wg_last) {
+      const uint32_t kt = k_tile(s), vt = kt + C::kKeyTile;
+      if ((j + 1) * BN > klen) {
+        // Keys past the sequence get dS = 0, but the copy read whatever follows it; zero those K
+        // rows so that 0 * K adds exactly zero even for inf or NaN there.
+        zero_rows<D>(kt, klen - j * BN, tid);
+        ptx::fence_proxy_async_smem();
+        ptx::named_bar_sync(1 + c, 128);
+      }
+      float sc[BN / 8][4], dp[BN / 8][4];
+#pragma unroll
+      for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sc[n][i] = dp[n][i] = 0.f;
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const int pn = kk / 4, off = (kk % 4) * 32;
+        ptx::wgmma_ss<BN, kHalf>(reinterpret_cast<float(&)[BN / 2]>(sc),
+                                 ptx::smem_desc_sw128(q_rows + pn * kDqRows * 128 + off),
+                                 ptx::smem_desc_sw128(kt + pn * BN * 128 + off));
+        ptx::wgmma_ss<BN, kHalf>(reinterpret_cast<float(&)[BN / 2]>(dp),
+                                 ptx::smem_desc_sw128(do_rows + pn * kDqRows * 128 + off),
+                                 ptx::smem_desc_sw128(vt + pn * BN * 128 + off));
+      }
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
+#pragma unroll
+      for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          ptx::reg_fence(sc[n][i]);
+          ptx::reg_fence(dp[n][i]);
+          const int key = j * BN + n * 8 + 2 * (lane & 3) + (i & 1), r = i >> 1;
+          const bool vis = key <= pos[r] && key < klen;
+          const float pr = ex2(__fmaf_rn(sc[n][i], p.scale_log2, -lse2[r]));
+          sc[n][i] = vis ? __fmul_rn(pr, __fsub_rn(dp[n][i], delta[r])) : 0.f;
+        }
+      }
+      uint32_t a[BN / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) c_to_a<T>(a[kk], sc, kk);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk)
+        ptx::wgmma_rs<D, kHalf>(reinterpret_cast<float(&)[D / 2]>(acc), a[kk],
+                                ptx::smem_desc_sw128_mn(kt + kk * 16 * 128, BN * 128));
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
+#pragma unroll
+      for (int d = 0; d < D / 8; ++d)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) ptx::reg_fence(acc[d][i]);
+    }
+    if (tid == 0) ptx::mbar_arrive(empty(s));
+  }
+
+  T* dq = static_cast<T*>(p.dq);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (!valid[r]) continue;
+    T* o = dq + ((int64_t)(row0 + first_row + 8 * r) * p.hq + h) * D;
+#pragma unroll
+    for (int d = 0; d < D / 8; ++d) {
+      *reinterpret_cast<uint32_t*>(o + d * 8 + 2 * (lane & 3)) =
+          pack2<T>(__fmul_rn(acc[d][2 * r], p.scale), __fmul_rn(acc[d][2 * r + 1], p.scale));
+    }
+  }
+}
+
+template <typename T, int D>
+cudaError_t launch_attention_dq(const BwdParams& p, int64_t tq, int64_t tk, int q_tiles, cudaStream_t stream) {
+  using C = WgDq<D>;
+  constexpr bool kHalf = std::is_same_v<T, __half>;
+  CUtensorMap mq, mdo, mk, mv;
+  cudaError_t e = encode_rows_map(&mq, p.q, kHalf, tq, p.hq, D, kDqRows);
+  if (e == cudaSuccess) e = encode_rows_map(&mdo, p.dout, kHalf, tq, p.hq, D, kDqRows);
+  if (e == cudaSuccess) e = encode_rows_map(&mk, p.k, kHalf, tk, p.hkv, D, C::kKeys);
+  if (e == cudaSuccess) e = encode_rows_map(&mv, p.v, kHalf, tk, p.hkv, D, C::kKeys);
+  if (e != cudaSuccess) return e;
+  auto kernel = rlk_attention_bwd_dq_kernel<T, D>;
+  if ((e = set_smem(kernel, C::kSmemBytes)) != cudaSuccess) return e;
+  kernel<<<q_tiles * p.hq, C::kThreads, C::kSmemBytes, stream>>>(mq, mdo, mk, mv, p);
+  return cudaGetLastError();
+}
+
+}  // namespace rl_engine::cuda::attn
