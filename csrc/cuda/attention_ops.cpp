@@ -198,6 +198,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   auto dk = at::empty({tk, hkv, d}, q.options().dtype(at::kFloat));
   auto dv = at::empty({tk, hkv, d}, q.options().dtype(at::kFloat));
   auto delta = at::empty({tq, hq}, q.options().dtype(at::kFloat));
+  auto chunk_end = at::empty({tq}, q.options().dtype(at::kInt));
   const int64_t q_tiles = tq == 0 ? 0 : (tq + kDqRows - 1) / kDqRows + batch;
   const int64_t k_tiles = tk == 0 ? 0 : (tk + kDkvKeys - 1) / kDkvKeys + batch;
   as_int(q_tiles * hq, op, "query tiles x heads");
@@ -205,8 +206,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   const BwdParams p{gc.data_ptr(), qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), lc.data_ptr<float>(),
                     delta.data_ptr<float>(), dq.data_ptr(), dk.data_ptr<float>(), dv.data_ptr<float>(),
                     cq.data_ptr<int32_t>(), ck.data_ptr<int32_t>(), pc.data_ptr<int64_t>(),
-                    as_int(batch, op, "batch"), static_cast<int>(hq), static_cast<int>(hkv),
-                    static_cast<int>(std::min<int64_t>(q_chunk_size, std::numeric_limits<int32_t>::max())),
+                    chunk_end.data_ptr<int32_t>(), as_int(batch, op, "batch"), static_cast<int>(hq),
+                    static_cast<int>(hkv), static_cast<int>(std::min<int64_t>(q_chunk_size, std::numeric_limits<int32_t>::max())),
                     static_cast<float>(softmax_scale), static_cast<float>(softmax_scale * kLog2e)};
   check_cuda(launch_bwd(p, oc.data_ptr(), delta.data_ptr<float>(), dt, static_cast<int>(d), tq, tk,
                         static_cast<int>(q_tiles), static_cast<int>(k_tiles),

@@ -40,7 +40,8 @@ __device__ __forceinline__ int count_tiles(const int32_t* cu, int batch, int row
 }
 
 
-// Prefill: each warp carries fwd_tiles 16-row tiles of the 128-row query tile (rows 16w.. and
+// Prefill on mma.sync, for blocks of 16 and 32 keys (64 and 128 run on wgmma, attention_wgmma.cuh):
+// each warp carries fwd_tiles 16-row tiles of the 128-row query tile (rows 16w.. and
 // 64 + 16w.. for two), so every K and V fragment read from shared memory feeds that many products;
 // Q stays in shared memory and is read per k-step. Two tiles when their scores and outputs fit in
 // the registers (two CTAs per SM), one otherwise (eight warps, one CTA per SM).

@@ -27,6 +27,20 @@ __global__ void __launch_bounds__(256) rlk_attention_bwd_delta_kernel(const T* d
   if (lane == 0) delta[idx] = s;
 }
 
+// chunk_end[r] = the row after row r's query chunk (a chunk is the rows of r's sequence with
+// position // q_chunk == pos[r] // q_chunk; positions increase within a sequence).
+__global__ void __launch_bounds__(256) rlk_attention_bwd_chunks_kernel(BwdParams p, int tq) {
+  const int r = blockIdx.x * 256 + threadIdx.x;
+  if (r >= tq) return;
+  int lo = 0, hi = p.batch;  // the sequence b with cu_q[b] <= r < cu_q[b + 1]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (p.cu_q[mid] <= r) lo = mid;
+    else hi = mid;
+  }
+  p.chunk_end[r] = lower_bound_pos(p.pos, r, p.cu_q[lo + 1], (p.pos[r] / p.q_chunk + 1) * p.q_chunk);
+}
+
 template <typename T, int D>
 cudaError_t launch_attention_bwd(const BwdParams& p, const T* out, float* delta, int64_t tq, int64_t tk,
                                  int q_tiles, int k_tiles, cudaStream_t stream) {
@@ -34,6 +48,8 @@ cudaError_t launch_attention_bwd(const BwdParams& p, const T* out, float* delta,
   if (rows > 0) {
     rlk_attention_bwd_delta_kernel<T, D><<<(rows + 7) / 8, 256, 0, stream>>>(
         static_cast<const T*>(p.dout), out, delta, rows);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+    rlk_attention_bwd_chunks_kernel<<<(tq + 255) / 256, 256, 0, stream>>>(p, static_cast<int>(tq));
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   if (q_tiles > 0) {

@@ -32,32 +32,26 @@ __device__ __forceinline__ int lower_bound_pos(const int64_t* pos, int lo, int h
   return lo;
 }
 
-// The sequence of steps of one key tile (the producer walks it and hands each Step on in its stage).
+// The sequence of steps of one key tile (the producer walks it and hands each Step on in its
+// stage). ends[r] is the row after row r's chunk.
 struct StepWalk {
-  const int64_t* pos;
-  int qend, group, q_chunk;
-  // The row after row r's chunk. Positions usually run on by one, so the guess from r's position
-  // is checked first (two loads instead of a binary search's dependent chain).
-  __device__ __forceinline__ int chunk_end(int r) const {
-    const int64_t p0 = pos[r], target = (p0 / q_chunk + 1) * q_chunk;
-    const int64_t guess = r + (target - p0);
-    if (guess >= qend) {
-      if (pos[qend - 1] < target) return qend;
-    } else if (pos[guess] >= target && pos[guess - 1] < target) {
-      return static_cast<int>(guess);
-    }
-    return lower_bound_pos(pos, r, qend, target);
-  }
+  const int32_t* ends;
+  int qend, group;
   // The first step that can see keys from kstart on (rows of earlier chunks see none of them).
-  __device__ __forceinline__ Step first(int qbeg, int kstart, bool any_key) const {
+  __device__ __forceinline__ Step first(const int64_t* pos, int qbeg, int kstart, int q_chunk,
+                                        bool any_key) const {
     Step st;
     st.r = any_key ? lower_bound_pos(pos, qbeg, qend, (int64_t)(kstart / q_chunk) * q_chunk) : qend;
     st.h = 0;
-    st.chunk_end = st.r < qend ? chunk_end(st.r) : qend;
+    st.chunk_end = st.r < qend ? ends[st.r] : qend;
     st.n = min(kDkvStepRows, st.chunk_end - st.r);
     return st;
   }
-  __device__ __forceinline__ Step next(const Step& st) const {
+  // The end of the chunk after st's (read when st's chunk begins, used when it ends).
+  __device__ __forceinline__ int following_end(const Step& st) const {
+    return st.chunk_end < qend ? ends[st.chunk_end] : qend;
+  }
+  __device__ __forceinline__ Step next(const Step& st, int following) const {
     Step nx = st;
     if (st.h + 1 < group) {
       nx.h = st.h + 1;
@@ -67,7 +61,7 @@ struct StepWalk {
     nx.r = st.r + kDkvStepRows;
     if (nx.r >= st.chunk_end) {
       nx.r = st.chunk_end;
-      nx.chunk_end = nx.r < qend ? chunk_end(nx.r) : qend;
+      nx.chunk_end = following;
     }
     nx.n = min(kDkvStepRows, nx.chunk_end - nx.r);
     return nx;
@@ -87,19 +81,19 @@ struct WgDkv {
   static constexpr uint32_t kMeta = 2048;
   static_assert(kDkvStepRows * (4 + 4 + 8) + sizeof(Step) <= kMeta, "stage metadata");
   static constexpr uint32_t kStage = 2 * kRowTile + kMeta;
-  static constexpr int kStages = 3;
+  static constexpr int kStages = 4;
   static constexpr int kSmemBytes = 1024 + 2 * kKvTile + kStages * kStage + (2 * kStages + 1) * 8;
   static constexpr int kThreads = 2 * 128;
   static_assert(kDkvKeys == 128, "two consumer warpgroups of 64 keys");
 };
 
-// Zeroes rows [from, 64) of a [64][D] step tile (both panels) in shared memory.
-template <int D>
+// Zeroes rows [from, ROWS) of a [ROWS][D] tile of 64-column panels in shared memory (tid of 128).
+template <int D, int ROWS>
 __device__ __forceinline__ void zero_rows(uint32_t tile, int from, int tid) {
   constexpr int kPanels = D / 64;
-  for (int i = tid; i < (kDkvStepRows - from) * kPanels * 8; i += 128) {
+  for (int i = tid; i < (ROWS - from) * kPanels * 8; i += 128) {
     const int r = from + i / (kPanels * 8), pn = (i / 8) % kPanels, ch = i % 8;
-    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(tile + pn * kDkvStepRows * 128 + r * 128 + ch * 16),
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(tile + pn * ROWS * 128 + r * 128 + ch * 16),
                  "r"(0)
                  : "memory");
   }
@@ -137,7 +131,7 @@ __global__ void __launch_bounds__(WgDkv<D>::kThreads, 1)
   if (!find_tile(p.cu_k, p.batch, kDkvKeys, blockIdx.x / p.hkv, b, tile)) return;
   const int kbase = p.cu_k[b], klen = p.cu_k[b + 1] - kbase, kstart = tile * kDkvKeys;
   const int qbeg = p.cu_q[b], qend = p.cu_q[b + 1], group = p.hq / p.hkv;
-  const StepWalk walk{p.pos, qend, group, p.q_chunk};
+  const StepWalk walk{p.chunk_end, qend, group};
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::kStages; ++s) {
       ptx::mbar_init(full(s), 1 + 32);  // the copy lane's expect_tx + one cp.async arrival per lane
@@ -153,8 +147,8 @@ __global__ void __launch_bounds__(WgDkv<D>::kThreads, 1)
   // warpgroups have released the stage's previous step (one lane issues the tensor copies and
   // stores the Step, every lane two rows' lse, delta and position, whose landing it signals on the
   // stage's barrier). After the last step a stage holding only a Step with r = qend ends the walk.
-  Step pcur = walk.first(qbeg, kstart, kstart < klen);
-  int pit = 0;
+  Step pcur = walk.first(p.pos, qbeg, kstart, p.q_chunk, kstart < klen);
+  int following = walk.following_end(pcur), pit = 0;
   bool walked = false;
   auto produce = [&] {
     if (walked) return;
@@ -184,7 +178,9 @@ __global__ void __launch_bounds__(WgDkv<D>::kThreads, 1)
       cp_async4or8<8>(meta(s) + kDkvStepRows * 8 + row * 8, p.pos + pcur.r + (ok ? row : 0), ok);
     }
     cp_async_arrive(full(s));
-    pcur = walk.next(pcur);
+    const Step nx = walk.next(pcur, following);
+    if (nx.chunk_end != pcur.chunk_end) following = walk.following_end(nx);  // a chunk begins
+    pcur = nx;
     ++pit;
   };
   const bool producer = threadIdx.x < 32;
@@ -246,8 +242,8 @@ __global__ void __launch_bounds__(WgDkv<D>::kThreads, 1)
     if (cur.n < kDkvStepRows) {
       // The copies read past the chunk (rows that are masked); zero them so that 0 * x adds
       // exactly zero even where x is inf or NaN.
-      zero_rows<D>(qs, cur.n, tid);
-      zero_rows<D>(ds, cur.n, tid);
+      zero_rows<D, kDkvStepRows>(qs, cur.n, tid);
+      zero_rows<D, kDkvStepRows>(ds, cur.n, tid);
       ptx::fence_proxy_async_smem();
       ptx::named_bar_sync(1 + c, 128);
     }

@@ -1,10 +1,10 @@
 // dq of the Hopper attention backward on wgmma and bulk tensor copies (sm_90a), no atomics.
 //
 // One CTA per 128 query rows of one head: warpgroups 0 and 1 each own 64 rows, and the first warp
-// also copies the key blocks a few ahead into a ring (Q and dO once, up front). Per 64-key block:
+// also copies the key blocks a few ahead into a ring (Q and dO once, up front). Per 128-key block:
 // S = Q K^T and dP = dO V^T, dS = P (dP - delta), then dQ += dS K 16 keys at a time. Every dq
 // element is one chain of k16 products over keys in order from key 0, so it depends neither on
-// the block size nor on the rows that share the CTA (and equals the mma.sync chain bit for bit).
+// the block size nor on the rows that share the CTA.
 #pragma once
 
 #include "rl_engine/cuda/attention_dkdv.cuh"
@@ -13,15 +13,14 @@ namespace rl_engine::cuda::attn {
 
 template <int D>
 struct WgDq {
-  static constexpr int kKeys = 64;  // keys per block
+  static constexpr int kKeys = 128;  // keys per block
   static constexpr int kPanels = D / 64;
   static constexpr uint32_t kRowTile = kDqRows * D * 2;  // Q or dO of the CTA's rows
   static constexpr uint32_t kKeyTile = kKeys * D * 2;    // K or V of one block
-  static constexpr int kStages = 3;
+  static constexpr int kStages = 2 * kRowTile + 3 * 2 * kKeyTile <= 200 * 1024 ? 3 : 2;
   static constexpr int kSmemBytes = 1024 + 2 * kRowTile + kStages * 2 * kKeyTile + (2 * kStages + 1) * 8;
   static constexpr int kThreads = 2 * 128;
   static_assert(kDqRows == 128, "two consumer warpgroups of 64 rows");
-  static_assert(kKeys == kDkvStepRows, "zero_rows clears 64-row tiles");
 };
 
 template <typename T, int D>
@@ -118,7 +117,7 @@ __global__ void __launch_bounds__(WgDq<D>::kThreads, 1)
       if ((j + 1) * BN > klen) {
         // Keys past the sequence get dS = 0, but the copy read whatever follows it; zero those K
         // rows so that 0 * K adds exactly zero even for inf or NaN there.
-        zero_rows<D>(kt, klen - j * BN, tid);
+        zero_rows<D, BN>(kt, klen - j * BN, tid);
         ptx::fence_proxy_async_smem();
         ptx::named_bar_sync(1 + c, 128);
       }

@@ -56,6 +56,7 @@ struct BwdParams {
   const int32_t* cu_q;
   const int32_t* cu_k;
   const int64_t* pos;
+  int32_t* chunk_end;  // [Tq] scratch: the row after each row's query chunk
   int batch, hq, hkv, q_chunk;
   float scale, scale_log2;
 };
