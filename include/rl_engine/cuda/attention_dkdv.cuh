@@ -82,22 +82,10 @@ struct WgDkv {
   static_assert(kDkvStepRows * (4 + 4 + 8) + sizeof(Step) <= kMeta, "stage metadata");
   static constexpr uint32_t kStage = 2 * kRowTile + kMeta;
   static constexpr int kStages = 4;
-  static constexpr int kSmemBytes = 1024 + 2 * kKvTile + kStages * kStage + (2 * kStages + 1) * 8;
+  static constexpr int kSmemBytes = 1024 + 2 * kKvTile + kStages * kStage + RingBarriers<kStages>::kBytes;
   static constexpr int kThreads = 2 * 128;
   static_assert(kDkvKeys == 128, "two consumer warpgroups of 64 keys");
 };
-
-// Zeroes rows [from, ROWS) of a [ROWS][D] tile of 64-column panels in shared memory (tid of 128).
-template <int D, int ROWS>
-__device__ __forceinline__ void zero_rows(uint32_t tile, int from, int tid) {
-  constexpr int kPanels = D / 64;
-  for (int i = tid; i < (ROWS - from) * kPanels * 8; i += 128) {
-    const int r = from + i / (kPanels * 8), pn = (i / 8) % kPanels, ch = i % 8;
-    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(tile + pn * ROWS * 128 + r * 128 + ch * 16),
-                 "r"(0)
-                 : "memory");
-  }
-}
 
 // *addr += (x, y) as a reduction in memory (no value comes back, so nothing waits for it).
 __device__ __forceinline__ void red_add2(float* addr, float x, float y) {
@@ -122,9 +110,10 @@ __global__ void __launch_bounds__(WgDkv<D>::kThreads, 1)
   const uint32_t stages = vs + C::kKvTile, bars = stages + C::kStages * C::kStage;
   auto q_tile = [&](int s) { return stages + s * C::kStage; };
   auto meta = [&](int s) { return q_tile(s) + 2 * C::kRowTile; };
-  auto full = [&](int s) { return bars + 8u * s; };
-  auto empty = [&](int s) { return bars + 8u * (C::kStages + s); };
-  const uint32_t kv_bar = bars + 8u * 2 * C::kStages;
+  const RingBarriers<C::kStages> rb{bars};
+  auto full = [&](int s) { return rb.full(s); };
+  auto empty = [&](int s) { return rb.empty(s); };
+  const uint32_t kv_bar = rb.once();
 
   const int g = blockIdx.x % p.hkv;
   int b, tile;
@@ -132,14 +121,7 @@ __global__ void __launch_bounds__(WgDkv<D>::kThreads, 1)
   const int kbase = p.cu_k[b], klen = p.cu_k[b + 1] - kbase, kstart = tile * kDkvKeys;
   const int qbeg = p.cu_q[b], qend = p.cu_q[b + 1], group = p.hq / p.hkv;
   const StepWalk walk{p.chunk_end, qend, group};
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < C::kStages; ++s) {
-      ptx::mbar_init(full(s), 1 + 32);  // the copy lane's expect_tx + one cp.async arrival per lane
-      ptx::mbar_init(empty(s), 2);
-    }
-    ptx::mbar_init(kv_bar, 1);
-    ptx::fence_barrier_init();
-  }
+  rb.init(1 + 32, 2);  // full: the copy lane's expect_tx and one cp.async arrival per lane
   __syncthreads();
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
 
@@ -256,29 +238,12 @@ __global__ void __launch_bounds__(WgDkv<D>::kThreads, 1)
                              kstart + c * 64 + 64 <= klen;
     // sc, dp: S^T and dP^T, rows the warp's keys, columns the step's query rows.
     float sc[kDkvStepRows / 8][4], dp[kDkvStepRows / 8][4];
-#pragma unroll
-    for (int n = 0; n < kDkvStepRows / 8; ++n)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) sc[n][i] = dp[n][i] = 0.f;
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const int pn = kk / 4, off = (kk % 4) * 32;
-      ptx::wgmma_ss<kDkvStepRows, kHalf>(reinterpret_cast<float(&)[kDkvStepRows / 2]>(sc),
-                                         ptx::smem_desc_sw128(k_rows + pn * kDkvKeys * 128 + off),
-                                         ptx::smem_desc_sw128(qs + pn * kDkvStepRows * 128 + off));
-      ptx::wgmma_ss<kDkvStepRows, kHalf>(reinterpret_cast<float(&)[kDkvStepRows / 2]>(dp),
-                                         ptx::smem_desc_sw128(v_rows + pn * kDkvKeys * 128 + off),
-                                         ptx::smem_desc_sw128(ds + pn * kDkvStepRows * 128 + off));
-    }
-    ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
+    two_kmajor_products<kDkvStepRows, D, kHalf>(sc, k_rows, qs, dp, v_rows, ds, kDkvKeys * 128,
+                                                kDkvStepRows * 128);
 #pragma unroll
     for (int n = 0; n < kDkvStepRows / 8; ++n) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        ptx::reg_fence(sc[n][i]);
-        ptx::reg_fence(dp[n][i]);
         const int key = kstart + wkey + (lane >> 2) + 8 * (i >> 1);
         const int row = n * 8 + 2 * (lane & 3) + (i & 1);
         const bool vis = all_visible || (row < cur.n && key <= pos_s[row] && key < klen);
@@ -296,20 +261,13 @@ __global__ void __launch_bounds__(WgDkv<D>::kThreads, 1)
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kDkvStepRows / 16; ++kk) {
-      ptx::wgmma_rs<D, kHalf>(reinterpret_cast<float(&)[D / 2]>(pv), ap[kk],
-                              ptx::smem_desc_sw128_mn(ds + kk * 16 * 128, kDkvStepRows * 128));
-      ptx::wgmma_rs<D, kHalf>(reinterpret_cast<float(&)[D / 2]>(pk), as[kk],
-                              ptx::smem_desc_sw128_mn(qs + kk * 16 * 128, kDkvStepRows * 128));
+      nmajor_step<D, kHalf>(pv, ap[kk], ds, kDkvStepRows * 128, kk);
+      nmajor_step<D, kHalf>(pk, as[kk], qs, kDkvStepRows * 128, kk);
     }
     ptx::wgmma_commit();
     ptx::wgmma_wait<0>();
-#pragma unroll
-    for (int d = 0; d < D / 8; ++d)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        ptx::reg_fence(pk[d][i]);
-        ptx::reg_fence(pv[d][i]);
-      }
+    fence_tiles(pk);
+    fence_tiles(pv);
     if (tid == 0) ptx::mbar_arrive(empty(s));
     if (walk.ends_chunk(cur)) flush();
   }

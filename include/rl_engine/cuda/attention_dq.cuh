@@ -18,9 +18,9 @@ struct WgDq {
   static constexpr uint32_t kRowTile = kDqRows * D * 2;  // Q or dO of the CTA's rows
   static constexpr uint32_t kKeyTile = kKeys * D * 2;    // K or V of one block
   static constexpr int kStages = 2 * kRowTile + 3 * 2 * kKeyTile <= 200 * 1024 ? 3 : 2;
-  static constexpr int kSmemBytes = 1024 + 2 * kRowTile + kStages * 2 * kKeyTile + (2 * kStages + 1) * 8;
+  static constexpr int kSmemBytes = 1024 + 2 * kRowTile + kStages * 2 * kKeyTile + RingBarriers<kStages>::kBytes;
   static constexpr int kThreads = 2 * 128;
-  static_assert(kDqRows == 128, "two consumer warpgroups of 64 rows");
+  static_assert(kDqRows == 128 && kDqRows == kFwdRows, "two warpgroups of 64 rows, a QueryTile");
 };
 
 template <typename T, int D>
@@ -37,32 +37,18 @@ __global__ void __launch_bounds__(WgDq<D>::kThreads, 1)
   const uint32_t qs = (smem_u32(smem_raw) + 1023u) & ~1023u, ds = qs + C::kRowTile;
   const uint32_t ring = ds + C::kRowTile, bars = ring + C::kStages * 2 * C::kKeyTile;
   auto k_tile = [&](int s) { return ring + 2 * s * C::kKeyTile; };
-  auto full = [&](int s) { return bars + 8u * s; };
-  auto empty = [&](int s) { return bars + 8u * (C::kStages + s); };
-  const uint32_t q_bar = bars + 8u * 2 * C::kStages;
+  const RingBarriers<C::kStages> rb{bars};
+  auto full = [&](int s) { return rb.full(s); };
+  auto empty = [&](int s) { return rb.empty(s); };
+  const uint32_t q_bar = rb.once();
 
-  const int h = blockIdx.x % p.hq, rev = blockIdx.x / p.hq;
-  const int total = count_tiles(p.cu_q, p.batch, kDqRows);
-  int b, tile;
-  if (rev >= total || !find_tile(p.cu_q, p.batch, kDqRows, total - 1 - rev, b, tile)) return;
-  const int row0 = p.cu_q[b] + tile * kDqRows, nrows = min(kDqRows, p.cu_q[b + 1] - row0);
-  const int kbase = p.cu_k[b], klen = p.cu_k[b + 1] - kbase, g = h / (p.hq / p.hkv);
-  if (threadIdx.x < kDqRows)
-    row_pos[threadIdx.x] = threadIdx.x < nrows ? static_cast<int>(p.pos[row0 + threadIdx.x]) : 0;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < C::kStages; ++s) {
-      ptx::mbar_init(full(s), 1);
-      ptx::mbar_init(empty(s), 2);
-    }
-    ptx::mbar_init(q_bar, 1);
-    ptx::fence_barrier_init();
-  }
+  QueryTile qt;
+  if (!qt.find(p)) return;
+  const int h = qt.h, g = qt.g, row0 = qt.row0, nrows = qt.nrows, kbase = qt.kbase, klen = qt.klen;
+  qt.load_positions(p.pos, row_pos);
+  rb.init(1, 2);
   __syncthreads();
-  auto last_key = [&](int first, int rows) {  // the last key any of these rows sees (-1: none)
-    int m = -1;
-    for (int r = 0; r < rows; ++r) m = max(m, row_pos[first + r]);
-    return min(m, klen - 1);
-  };
+  auto last_key = [&](int first, int rows) { return qt.last_key(row_pos, first, rows); };
   const int c = threadIdx.x / 128, tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int last = last_key(0, nrows), nblocks = last < 0 ? 0 : last / BN + 1;
 
@@ -122,29 +108,11 @@ __global__ void __launch_bounds__(WgDq<D>::kThreads, 1)
         ptx::named_bar_sync(1 + c, 128);
       }
       float sc[BN / 8][4], dp[BN / 8][4];
-#pragma unroll
-      for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) sc[n][i] = dp[n][i] = 0.f;
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const int pn = kk / 4, off = (kk % 4) * 32;
-        ptx::wgmma_ss<BN, kHalf>(reinterpret_cast<float(&)[BN / 2]>(sc),
-                                 ptx::smem_desc_sw128(q_rows + pn * kDqRows * 128 + off),
-                                 ptx::smem_desc_sw128(kt + pn * BN * 128 + off));
-        ptx::wgmma_ss<BN, kHalf>(reinterpret_cast<float(&)[BN / 2]>(dp),
-                                 ptx::smem_desc_sw128(do_rows + pn * kDqRows * 128 + off),
-                                 ptx::smem_desc_sw128(vt + pn * BN * 128 + off));
-      }
-      ptx::wgmma_commit();
-      ptx::wgmma_wait<0>();
+      two_kmajor_products<BN, D, kHalf>(sc, q_rows, kt, dp, do_rows, vt, kDqRows * 128, BN * 128);
 #pragma unroll
       for (int n = 0; n < BN / 8; ++n) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          ptx::reg_fence(sc[n][i]);
-          ptx::reg_fence(dp[n][i]);
           const int key = j * BN + n * 8 + 2 * (lane & 3) + (i & 1), r = i >> 1;
           const bool vis = key <= pos[r] && key < klen;
           const float pr = ex2(__fmaf_rn(sc[n][i], p.scale_log2, -lse2[r]));
@@ -156,15 +124,10 @@ __global__ void __launch_bounds__(WgDq<D>::kThreads, 1)
       for (int kk = 0; kk < BN / 16; ++kk) c_to_a<T>(a[kk], sc, kk);
       ptx::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
-        ptx::wgmma_rs<D, kHalf>(reinterpret_cast<float(&)[D / 2]>(acc), a[kk],
-                                ptx::smem_desc_sw128_mn(kt + kk * 16 * 128, BN * 128));
+      for (int kk = 0; kk < BN / 16; ++kk) nmajor_step<D, kHalf>(acc, a[kk], kt, BN * 128, kk);
       ptx::wgmma_commit();
       ptx::wgmma_wait<0>();
-#pragma unroll
-      for (int d = 0; d < D / 8; ++d)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) ptx::reg_fence(acc[d][i]);
+      fence_tiles(acc);
     }
     if (tid == 0) ptx::mbar_arrive(empty(s));
   }

@@ -22,6 +22,123 @@
 
 namespace rl_engine::cuda::attn {
 
+// The 128-row query tile of one q head a CTA serves: blockIdx.x = (tiles counted from the last) *
+// hq + h, so the longest causal walks start first. Shared by the forward and the backward's dq.
+struct QueryTile {
+  int h, g, row0, nrows, kbase, klen;
+  // Finds the CTA's tile; false past the last one (the whole CTA returns).
+  template <typename Params>
+  __device__ __forceinline__ bool find(const Params& p) {
+    h = blockIdx.x % p.hq;
+    const int rev = blockIdx.x / p.hq, total = count_tiles(p.cu_q, p.batch, kFwdRows);
+    int b, tile;
+    if (rev >= total || !find_tile(p.cu_q, p.batch, kFwdRows, total - 1 - rev, b, tile)) return false;
+    row0 = p.cu_q[b] + tile * kFwdRows;
+    nrows = min(kFwdRows, p.cu_q[b + 1] - row0);
+    kbase = p.cu_k[b];
+    klen = p.cu_k[b + 1] - kbase;
+    g = h / (p.hq / p.hkv);
+    return true;
+  }
+  // Threads below kFwdRows store their row's position in row_pos (0 past the tile).
+  __device__ __forceinline__ void load_positions(const int64_t* pos, int* row_pos) const {
+    if (threadIdx.x < kFwdRows)
+      row_pos[threadIdx.x] = threadIdx.x < nrows ? static_cast<int>(pos[row0 + threadIdx.x]) : 0;
+  }
+  // The last key any of `rows` rows from `first` sees (-1: none).
+  __device__ __forceinline__ int last_key(const int* row_pos, int first, int rows) const {
+    int m = -1;
+    for (int r = 0; r < rows; ++r) m = max(m, row_pos[first + r]);
+    return min(m, klen - 1);
+  }
+};
+
+template <int NT>
+__device__ __forceinline__ void zero_tiles(float (&x)[NT][4]) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n) x[n][0] = x[n][1] = x[n][2] = x[n][3] = 0.f;
+}
+
+// Keeps the compiler from moving accesses of wgmma accumulators across its fences and waits.
+template <int NT>
+__device__ __forceinline__ void fence_tiles(float (&x)[NT][4]) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) ptx::reg_fence(x[n][i]);
+}
+
+// Issues k16 step kk of acc[64 x N] += A . B^T, A and B K-major tiles of 64-column panels
+// (a_panel and b_panel bytes apart) in shared memory.
+template <int N, bool kHalf>
+__device__ __forceinline__ void kmajor_step(float (&acc)[N / 8][4], uint32_t a, uint32_t a_panel, uint32_t b,
+                                            uint32_t b_panel, int kk) {
+  const int pn = kk / 4, off = (kk % 4) * 32;  // 64-column panel, 32 bytes per k16 step
+  ptx::wgmma_ss<N, kHalf>(reinterpret_cast<float(&)[N / 2]>(acc), ptx::smem_desc_sw128(a + pn * a_panel + off),
+                          ptx::smem_desc_sw128(b + pn * b_panel + off));
+}
+
+// x = XA . XB^T and y = YA . YB^T from zero, issued together and waited for once (the A tiles
+// a_panel, the B tiles b_panel bytes between panels); D / 16 k16 steps.
+template <int N, int D, bool kHalf>
+__device__ __forceinline__ void two_kmajor_products(float (&x)[N / 8][4], uint32_t xa, uint32_t xb,
+                                                    float (&y)[N / 8][4], uint32_t ya, uint32_t yb,
+                                                    uint32_t a_panel, uint32_t b_panel) {
+  zero_tiles(x);
+  zero_tiles(y);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    kmajor_step<N, kHalf>(x, xa, a_panel, xb, b_panel, kk);
+    kmajor_step<N, kHalf>(y, ya, a_panel, yb, b_panel, kk);
+  }
+  ptx::wgmma_commit();
+  ptx::wgmma_wait<0>();
+  fence_tiles(x);
+  fence_tiles(y);
+}
+
+// The mbarriers of a ring of kStages stages: full(s) (the copy's arrival and bytes), empty(s)
+// (one arrival per consumer warpgroup), and `once` for a copy made one time (Q, or K and V).
+template <int kStages>
+struct RingBarriers {
+  uint32_t bars;
+  __device__ __forceinline__ uint32_t full(int s) const { return bars + 8u * s; }
+  __device__ __forceinline__ uint32_t empty(int s) const { return bars + 8u * (kStages + s); }
+  __device__ __forceinline__ uint32_t once() const { return bars + 8u * 2 * kStages; }
+  static constexpr int kBytes = (2 * kStages + 1) * 8;
+  // Thread 0 initialises them; the CTA syncs before any thread uses them.
+  __device__ __forceinline__ void init(uint32_t full_count, uint32_t empty_count) const {
+    if (threadIdx.x != 0) return;
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbar_init(full(s), full_count);
+      ptx::mbar_init(empty(s), empty_count);
+    }
+    ptx::mbar_init(once(), 1);
+    ptx::fence_barrier_init();
+  }
+};
+
+// Issues k16 step kk of acc[64 x N] += A . B, A's fragment in registers, B an N-major [k][N]
+// tile of 64-column panels (panel bytes apart) in shared memory.
+template <int N, bool kHalf>
+__device__ __forceinline__ void nmajor_step(float (&acc)[N / 8][4], const uint32_t (&a)[4], uint32_t b,
+                                            uint32_t panel, int kk) {
+  ptx::wgmma_rs<N, kHalf>(reinterpret_cast<float(&)[N / 2]>(acc), a, ptx::smem_desc_sw128_mn(b + kk * 16 * 128, panel));
+}
+
+// Zeroes rows [from, ROWS) of a [ROWS][D] tile of 64-column panels in shared memory (tid of 128).
+template <int D, int ROWS>
+__device__ __forceinline__ void zero_rows(uint32_t tile, int from, int tid) {
+  constexpr int kPanels = D / 64;
+  for (int i = tid; i < (ROWS - from) * kPanels * 8; i += 128) {
+    const int r = from + i / (kPanels * 8), pn = (i / 8) % kPanels, ch = i % 8;
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(tile + pn * ROWS * 128 + r * 128 + ch * 16),
+                 "r"(0)
+                 : "memory");
+  }
+}
+
 template <int D, int BN>
 struct WgFwd {
   static constexpr int kPanels = D / 64;
@@ -29,14 +146,9 @@ struct WgFwd {
   static constexpr uint32_t kTileBytes = BN * D * 2;  // one K or V block
   static constexpr int kStages = 2 * kTileBytes * 3 + kQBytes <= 160 * 1024 ? 3 : 2;
   static constexpr uint32_t kRingBytes = kStages * 2 * kTileBytes;
-  static constexpr int kSmemBytes = 1024 + kQBytes + kRingBytes + (2 * kStages + 1) * 8;
+  static constexpr int kSmemBytes = 1024 + kQBytes + kRingBytes + RingBarriers<kStages>::kBytes;
   static constexpr int kThreads = 3 * 128;
 };
-
-// True for the (D, BN) pairs this kernel serves.
-constexpr bool wgmma_fwd_supported(int d, int bn) {
-  return (d == 64 || d == 128) && (bn == 64 || bn == 128);
-}
 
 template <typename T, int D, int BN>
 __global__ void __launch_bounds__(WgFwd<D, BN>::kThreads, 1)
@@ -50,33 +162,18 @@ __global__ void __launch_bounds__(WgFwd<D, BN>::kThreads, 1)
   const uint32_t qs = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t ring = qs + C::kQBytes, bars = ring + C::kRingBytes;
   auto k_tile = [&](int s) { return ring + 2 * s * C::kTileBytes; };
-  auto full = [&](int s) { return bars + 8u * s; };
-  auto empty = [&](int s) { return bars + 8u * (C::kStages + s); };
-  const uint32_t q_bar = bars + 8u * 2 * C::kStages;
+  const RingBarriers<C::kStages> rb{bars};
+  auto full = [&](int s) { return rb.full(s); };
+  auto empty = [&](int s) { return rb.empty(s); };
+  const uint32_t q_bar = rb.once();
 
-  const int h = blockIdx.x % p.hq, rev = blockIdx.x / p.hq;
-  const int total = count_tiles(p.cu_q, p.batch, kFwdRows);
-  int b, tile;
-  if (rev >= total || !find_tile(p.cu_q, p.batch, kFwdRows, total - 1 - rev, b, tile)) return;
-  const int row0 = p.cu_q[b] + tile * kFwdRows, nrows = min(kFwdRows, p.cu_q[b + 1] - row0);
-  const int kbase = p.cu_k[b], klen = p.cu_k[b + 1] - kbase, g = h / (p.hq / p.hkv);
-  if (threadIdx.x < kFwdRows)
-    row_pos[threadIdx.x] = threadIdx.x < nrows ? static_cast<int>(p.pos[row0 + threadIdx.x]) : 0;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < C::kStages; ++s) {
-      ptx::mbar_init(full(s), 1);
-      ptx::mbar_init(empty(s), 2);
-    }
-    ptx::mbar_init(q_bar, 1);
-    ptx::fence_barrier_init();
-  }
+  QueryTile qt;
+  if (!qt.find(p)) return;
+  const int h = qt.h, g = qt.g, row0 = qt.row0, nrows = qt.nrows, kbase = qt.kbase, klen = qt.klen;
+  qt.load_positions(p.pos, row_pos);
+  rb.init(1, 2);
   __syncthreads();
-  // The last key any row of `rows` rows from `first` sees (-1: none).
-  auto last_key = [&](int first, int rows) {
-    int m = -1;
-    for (int r = 0; r < rows; ++r) m = max(m, row_pos[first + r]);
-    return min(m, klen - 1);
-  };
+  auto last_key = [&](int first, int rows) { return qt.last_key(row_pos, first, rows); };
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
 
   if (wg == 0) {
@@ -120,47 +217,28 @@ __global__ void __launch_bounds__(WgFwd<D, BN>::kThreads, 1)
       if ((j + 1) * BN > klen) {
         // Keys past the sequence are masked, but the copy read whatever follows it (the next
         // sequence); zero those V rows so that 0 * V adds exactly zero even for inf or NaN there.
-        const int from = klen - j * BN;
-        for (int i = tid; i < (BN - from) * C::kPanels * 8; i += 128) {
-          const int r = from + i / (C::kPanels * 8), pn = (i / 8) % C::kPanels, ch = i % 8;
-          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(vt + pn * BN * 128 + r * 128 + ch * 16),
-                       "r"(0) : "memory");
-        }
+        zero_rows<D, BN>(vt, klen - j * BN, tid);
         ptx::fence_proxy_async_smem();
         ptx::named_bar_sync(1 + c, 128);
       }
       float sc[BN / 8][4];
-#pragma unroll
-      for (int n = 0; n < BN / 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+      zero_tiles(sc);
       ptx::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const int pn = kk / 4, off = (kk % 4) * 32;  // 64-column panel, 32 bytes per k16 step
-        ptx::wgmma_ss<BN, kHalf>(reinterpret_cast<float(&)[BN / 2]>(sc),
-                                 ptx::smem_desc_sw128(q_rows + pn * kFwdRows * 128 + off),
-                                 ptx::smem_desc_sw128(kt + pn * BN * 128 + off));
-      }
+      for (int kk = 0; kk < D / 16; ++kk) kmajor_step<BN, kHalf>(sc, q_rows, kFwdRows * 128, kt, BN * 128, kk);
       ptx::wgmma_commit();
       ptx::wgmma_wait<0>();
-#pragma unroll
-      for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) ptx::reg_fence(sc[n][i]);
+      fence_tiles(sc);
       block_softmax<BN, D / 8>(st[0], sc, j * BN, pos[0], klen, p.scale_log2, lane);
       uint32_t pa[BN / 16][4];
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) c_to_a<T>(pa[kk], sc, kk);
       ptx::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
-        ptx::wgmma_rs<D, kHalf>(reinterpret_cast<float(&)[D / 2]>(st[0].o), pa[kk],
-                                ptx::smem_desc_sw128_mn(vt + kk * 16 * 128, BN * 128));
+      for (int kk = 0; kk < BN / 16; ++kk) nmajor_step<D, kHalf>(st[0].o, pa[kk], vt, BN * 128, kk);
       ptx::wgmma_commit();
       ptx::wgmma_wait<0>();
-#pragma unroll
-      for (int d = 0; d < D / 8; ++d)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) ptx::reg_fence(st[0].o[d][i]);
+      fence_tiles(st[0].o);
     }
     if (tid == 0) ptx::mbar_arrive(empty(s));
   }
