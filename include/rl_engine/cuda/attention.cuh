@@ -41,20 +41,11 @@ __device__ __forceinline__ int count_tiles(const int32_t* cu, int batch, int row
 
 
 // Prefill on mma.sync, for blocks of 16 and 32 keys (64 and 128 run on wgmma, attention_wgmma.cuh):
-// each warp carries fwd_tiles 16-row tiles of the 128-row query tile (rows 16w.. and
-// 64 + 16w.. for two), so every K and V fragment read from shared memory feeds that many products;
-// Q stays in shared memory and is read per k-step. Two tiles when their scores and outputs fit in
-// the registers (two CTAs per SM), one otherwise (eight warps, one CTA per SM).
-constexpr int kFwdStages = 2;
+// each of the four warps carries two 16-row tiles of the 128-row query tile (rows 16w.. and
+// 64 + 16w..), so every K and V fragment read from shared memory feeds two products; Q stays in
+// shared memory and is read per k-step. Two CTAs per SM.
+constexpr int kFwdStages = 2, kFwdTiles = 2, kFwdWarps = kFwdRows / 16 / kFwdTiles;
 
-template <int D, int BN>
-constexpr int fwd_tiles() {
-  return (D / 8 + BN / 8) * 4 * 2 <= 192 ? 2 : 1;
-}
-template <int D, int BN>
-constexpr int fwd_warps() {
-  return kFwdRows / 16 / fwd_tiles<D, BN>();
-}
 template <int D, int BN>
 constexpr int fwd_smem_bytes() {
   return kFwdRows * kStride<D> * 2 + kFwdStages * 2 * BN * kStride<D> * 2;
@@ -63,9 +54,8 @@ constexpr int fwd_smem_bytes() {
 // One CTA per (128-row query tile of a sequence, q head); tiles run last-first so the longest
 // causal walks start early. grid.x = tiles_upper_bound * hq.
 template <typename T, int D, int BN>
-__global__ void __launch_bounds__(fwd_warps<D, BN>() * 32, fwd_tiles<D, BN>())
-    rlk_attention_fwd_kernel(FwdParams p) {
-  constexpr int kFwdTiles = fwd_tiles<D, BN>(), kFwdWarps = fwd_warps<D, BN>();
+__global__ void __launch_bounds__(kFwdWarps * 32, 2) rlk_attention_fwd_kernel(FwdParams p) {
+  static_assert(BN <= 32, "larger blocks run on wgmma");
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int h = blockIdx.x % p.hq, rev = blockIdx.x / p.hq;
@@ -409,7 +399,7 @@ cudaError_t launch_attention_fwd(const FwdParams& p, int grid_tiles, cudaStream_
   auto kernel = rlk_attention_fwd_kernel<T, D, BN>;
   constexpr int smem = fwd_smem_bytes<D, BN>();
   if (cudaError_t e = set_smem(kernel, smem); e != cudaSuccess) return e;
-  kernel<<<grid_tiles * p.hq, fwd_warps<D, BN>() * 32, smem, stream>>>(p);
+  kernel<<<grid_tiles * p.hq, kFwdWarps * 32, smem, stream>>>(p);
   return cudaGetLastError();
 }
 
