@@ -1,5 +1,6 @@
-// Deterministic causal attention on Hopper with mma.sync tensor-core tiles (bf16/fp16 in, fp32
-// accumulate): prefill forward, paged decode and the backward. Framework-free: raw pointers, cudaError_t.
+// Deterministic causal attention on Hopper (bf16/fp16 in, fp32 accumulate): the mma.sync prefill
+// for 16- and 32-key blocks and the paged decode; the wgmma prefill is attention_wgmma.cuh, the
+// backward attention_bwd.cuh. Framework-free: raw pointers, cudaError_t.
 //
 // Batch invariance rests on two facts. (1) Every output row is computed from its own query row
 // with a fixed sequence of operations on its accumulators: the m16n8k16 products give each

@@ -1,5 +1,6 @@
-// Backward of the Hopper attention (see attention.cuh): three kernels, no atomics among threads.
+// Backward of the Hopper attention (see attention.cuh): four kernels, no atomics among threads.
 //   delta[r, h] = dO . O in fp32 (one warp per row and head, a fixed butterfly);
+//   chunk_end[r] = the row after r's query chunk (one thread per row);
 //   dq (attention_dq.cuh): each dq element is one chain of k16 products over keys in order from
 //       key 0, so it depends neither on the tile size nor on the rows that share the CTA;
 //   dk/dv (attention_dkdv.cuh): per-chunk fp32 partials added in chunk order by the one thread

@@ -110,9 +110,10 @@ __global__ void __launch_bounds__(WgDkv<D>::kThreads, 1)
   const uint32_t stages = vs + C::kKvTile, bars = stages + C::kStages * C::kStage;
   auto q_tile = [&](int s) { return stages + s * C::kStage; };
   auto meta = [&](int s) { return q_tile(s) + 2 * C::kRowTile; };
+  // The same as a generic pointer: lse, delta and pos of the step's rows, the Step at the end.
+  auto meta_ptr = [&](int s) { return smem_raw + (meta(s) - smem_u32(smem_raw)); };
+  auto step_at = [&](int s) { return reinterpret_cast<Step*>(meta_ptr(s) + C::kMeta - sizeof(Step)); };
   const RingBarriers<C::kStages> rb{bars};
-  auto full = [&](int s) { return rb.full(s); };
-  auto empty = [&](int s) { return rb.empty(s); };
   const uint32_t kv_bar = rb.once();
 
   const int g = blockIdx.x % p.hkv;
@@ -136,19 +137,19 @@ __global__ void __launch_bounds__(WgDkv<D>::kThreads, 1)
     if (walked) return;
     walked = pcur.r >= qend;
     const int s = pit % C::kStages, hh = g * group + pcur.h;
-    ptx::mbar_wait(empty(s), ((pit / C::kStages) & 1) ^ 1);  // first pass: the slot starts free
+    ptx::mbar_wait(rb.empty(s), ((pit / C::kStages) & 1) ^ 1);  // first pass: the slot starts free
     if (lane == 0) {
-      *reinterpret_cast<Step*>(smem_raw + (meta(s) - smem_u32(smem_raw)) + C::kMeta - sizeof(Step)) = pcur;
-      ptx::mbar_arrive_expect_tx(full(s), walked ? 0 : 2 * C::kRowTile);
+      *step_at(s) = pcur;
+      ptx::mbar_arrive_expect_tx(rb.full(s), walked ? 0 : 2 * C::kRowTile);
     }
     if (walked) {
-      cp_async_arrive(full(s));
+      cp_async_arrive(rb.full(s));
       return;
     }
     if (lane == 0) {
       for (int pn = 0; pn < C::kPanels; ++pn) {
-        ptx::tma_load_3d(q_tile(s) + pn * kDkvStepRows * 128, &map_q, full(s), 64 * pn, hh, pcur.r);
-        ptx::tma_load_3d(q_tile(s) + C::kRowTile + pn * kDkvStepRows * 128, &map_do, full(s), 64 * pn,
+        ptx::tma_load_3d(q_tile(s) + pn * kDkvStepRows * 128, &map_q, rb.full(s), 64 * pn, hh, pcur.r);
+        ptx::tma_load_3d(q_tile(s) + C::kRowTile + pn * kDkvStepRows * 128, &map_do, rb.full(s), 64 * pn,
                          hh, pcur.r);
       }
     }
@@ -159,7 +160,7 @@ __global__ void __launch_bounds__(WgDkv<D>::kThreads, 1)
       cp_async4or8<4>(meta(s) + kDkvStepRows * 4 + row * 4, p.delta + i, ok);
       cp_async4or8<8>(meta(s) + kDkvStepRows * 8 + row * 8, p.pos + pcur.r + (ok ? row : 0), ok);
     }
-    cp_async_arrive(full(s));
+    cp_async_arrive(rb.full(s));
     const Step nx = walk.next(pcur, following);
     if (nx.chunk_end != pcur.chunk_end) following = walk.following_end(nx);  // a chunk begins
     pcur = nx;
@@ -216,9 +217,8 @@ __global__ void __launch_bounds__(WgDkv<D>::kThreads, 1)
   for (int it = 0;; ++it) {
     if (producer) produce();  // step it + kStages - 1
     const int s = it % C::kStages;
-    ptx::mbar_wait(full(s), (it / C::kStages) & 1);
-    const Step cur = *reinterpret_cast<const Step*>(smem_raw + (meta(s) - smem_u32(smem_raw)) + C::kMeta -
-                                                    sizeof(Step));
+    ptx::mbar_wait(rb.full(s), (it / C::kStages) & 1);
+    const Step cur = *step_at(s);
     if (cur.r >= qend) break;
     const uint32_t qs = q_tile(s), ds = qs + C::kRowTile;
     if (cur.n < kDkvStepRows) {
@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(WgDkv<D>::kThreads, 1)
       ptx::fence_proxy_async_smem();
       ptx::named_bar_sync(1 + c, 128);
     }
-    const float* lse_s = reinterpret_cast<const float*>(smem_raw + (meta(s) - smem_u32(smem_raw)));
+    const float* lse_s = reinterpret_cast<const float*>(meta_ptr(s));
     const float* delta_s = lse_s + kDkvStepRows;
     const int64_t* pos_s = reinterpret_cast<const int64_t*>(lse_s + 2 * kDkvStepRows);
     // Whether every row of the step sees every key of this warpgroup (the step's first row has
@@ -268,7 +268,7 @@ __global__ void __launch_bounds__(WgDkv<D>::kThreads, 1)
     ptx::wgmma_wait<0>();
     fence_tiles(pk);
     fence_tiles(pv);
-    if (tid == 0) ptx::mbar_arrive(empty(s));
+    if (tid == 0) ptx::mbar_arrive(rb.empty(s));
     if (walk.ends_chunk(cur)) flush();
   }
 }

@@ -38,8 +38,6 @@ __global__ void __launch_bounds__(WgDq<D>::kThreads, 1)
   const uint32_t ring = ds + C::kRowTile, bars = ring + C::kStages * 2 * C::kKeyTile;
   auto k_tile = [&](int s) { return ring + 2 * s * C::kKeyTile; };
   const RingBarriers<C::kStages> rb{bars};
-  auto full = [&](int s) { return rb.full(s); };
-  auto empty = [&](int s) { return rb.empty(s); };
   const uint32_t q_bar = rb.once();
 
   QueryTile qt;
@@ -48,20 +46,19 @@ __global__ void __launch_bounds__(WgDq<D>::kThreads, 1)
   qt.load_positions(p.pos, row_pos);
   rb.init(1, 2);
   __syncthreads();
-  auto last_key = [&](int first, int rows) { return qt.last_key(row_pos, first, rows); };
   const int c = threadIdx.x / 128, tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  const int last = last_key(0, nrows), nblocks = last < 0 ? 0 : last / BN + 1;
+  const int last = qt.last_key(row_pos, 0, nrows), nblocks = last < 0 ? 0 : last / BN + 1;
 
   const bool producer = threadIdx.x == 0;
   int pj = 0;
   auto produce = [&] {  // copies block pj once both warpgroups released its slot's previous block
     if (pj >= nblocks) return;
     const int s = pj % C::kStages;
-    ptx::mbar_wait(empty(s), ((pj / C::kStages) & 1) ^ 1);  // first pass: the slot starts free
-    ptx::mbar_arrive_expect_tx(full(s), 2 * C::kKeyTile);
+    ptx::mbar_wait(rb.empty(s), ((pj / C::kStages) & 1) ^ 1);  // first pass: the slot starts free
+    ptx::mbar_arrive_expect_tx(rb.full(s), 2 * C::kKeyTile);
     for (int pn = 0; pn < C::kPanels; ++pn) {
-      ptx::tma_load_3d(k_tile(s) + pn * BN * 128, &map_k, full(s), 64 * pn, g, kbase + pj * BN);
-      ptx::tma_load_3d(k_tile(s) + C::kKeyTile + pn * BN * 128, &map_v, full(s), 64 * pn, g, kbase + pj * BN);
+      ptx::tma_load_3d(k_tile(s) + pn * BN * 128, &map_k, rb.full(s), 64 * pn, g, kbase + pj * BN);
+      ptx::tma_load_3d(k_tile(s) + C::kKeyTile + pn * BN * 128, &map_v, rb.full(s), 64 * pn, g, kbase + pj * BN);
     }
     ++pj;
   };
@@ -74,7 +71,7 @@ __global__ void __launch_bounds__(WgDq<D>::kThreads, 1)
     for (int i = 0; i < C::kStages - 1; ++i) produce();
   }
 
-  const int wg_last = last_key(c * 64, max(0, min(64, nrows - c * 64)));
+  const int wg_last = qt.last_key(row_pos, c * 64, max(0, min(64, nrows - c * 64)));
   const int first_row = c * 64 + warp * 16 + (lane >> 2);
   int pos[2];
   bool valid[2];
@@ -97,7 +94,7 @@ __global__ void __launch_bounds__(WgDq<D>::kThreads, 1)
   for (int j = 0; j < nblocks; ++j) {
     if (producer) produce();  // block j + kStages - 1
     const int s = j % C::kStages;
-    ptx::mbar_wait(full(s), (j / C::kStages) & 1);
+    ptx::mbar_wait(rb.full(s), (j / C::kStages) & 1);
     if (j * BN <= wg_last) {
       const uint32_t kt = k_tile(s), vt = kt + C::kKeyTile;
       if ((j + 1) * BN > klen) {
@@ -129,7 +126,7 @@ __global__ void __launch_bounds__(WgDq<D>::kThreads, 1)
       ptx::wgmma_wait<0>();
       fence_tiles(acc);
     }
-    if (tid == 0) ptx::mbar_arrive(empty(s));
+    if (tid == 0) ptx::mbar_arrive(rb.empty(s));
   }
 
   T* dq = static_cast<T*>(p.dq);

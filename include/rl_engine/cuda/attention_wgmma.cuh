@@ -163,8 +163,6 @@ __global__ void __launch_bounds__(WgFwd<D, BN>::kThreads, 1)
   const uint32_t ring = qs + C::kQBytes, bars = ring + C::kRingBytes;
   auto k_tile = [&](int s) { return ring + 2 * s * C::kTileBytes; };
   const RingBarriers<C::kStages> rb{bars};
-  auto full = [&](int s) { return rb.full(s); };
-  auto empty = [&](int s) { return rb.empty(s); };
   const uint32_t q_bar = rb.once();
 
   QueryTile qt;
@@ -173,24 +171,23 @@ __global__ void __launch_bounds__(WgFwd<D, BN>::kThreads, 1)
   qt.load_positions(p.pos, row_pos);
   rb.init(1, 2);
   __syncthreads();
-  auto last_key = [&](int first, int rows) { return qt.last_key(row_pos, first, rows); };
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
 
   if (wg == 0) {
     ptx::setmaxnreg_dec<24>();
     if (tid != 0) return;
-    const int last = last_key(0, min(nrows, kFwdRows));
+    const int last = qt.last_key(row_pos, 0, min(nrows, kFwdRows));
     const int nblocks = last < 0 ? 0 : last / BN + 1;
     ptx::mbar_arrive_expect_tx(q_bar, C::kQBytes);
     for (int pn = 0; pn < C::kPanels; ++pn)
       ptx::tma_load_3d(qs + pn * kFwdRows * 128, &map_q, q_bar, 64 * pn, h, row0);
     for (int j = 0; j < nblocks; ++j) {
       const int s = j % C::kStages;
-      ptx::mbar_wait(empty(s), ((j / C::kStages) & 1) ^ 1);  // first pass: the slot starts free
-      ptx::mbar_arrive_expect_tx(full(s), 2 * C::kTileBytes);
+      ptx::mbar_wait(rb.empty(s), ((j / C::kStages) & 1) ^ 1);  // first pass: the slot starts free
+      ptx::mbar_arrive_expect_tx(rb.full(s), 2 * C::kTileBytes);
       for (int pn = 0; pn < C::kPanels; ++pn) {
-        ptx::tma_load_3d(k_tile(s) + pn * BN * 128, &map_k, full(s), 64 * pn, g, kbase + j * BN);
-        ptx::tma_load_3d(k_tile(s) + C::kTileBytes + pn * BN * 128, &map_v, full(s), 64 * pn, g,
+        ptx::tma_load_3d(k_tile(s) + pn * BN * 128, &map_k, rb.full(s), 64 * pn, g, kbase + j * BN);
+        ptx::tma_load_3d(k_tile(s) + C::kTileBytes + pn * BN * 128, &map_v, rb.full(s), 64 * pn, g,
                          kbase + j * BN);
       }
     }
@@ -199,9 +196,9 @@ __global__ void __launch_bounds__(WgFwd<D, BN>::kThreads, 1)
 
   ptx::setmaxnreg_inc<240>();
   const int c = wg - 1, warp = tid / 32, lane = tid % 32;
-  const int last = last_key(0, min(nrows, kFwdRows));
+  const int last = qt.last_key(row_pos, 0, min(nrows, kFwdRows));
   const int nblocks = last < 0 ? 0 : last / BN + 1;
-  const int wg_last = last_key(c * 64, max(0, min(64, nrows - c * 64)));
+  const int wg_last = qt.last_key(row_pos, c * 64, max(0, min(64, nrows - c * 64)));
   const int first_row = c * 64 + warp * 16 + (lane >> 2);
   const int pos[1][2] = {{row_pos[first_row], row_pos[first_row + 8]}};
   RowState<D / 8> st[1];
@@ -211,7 +208,7 @@ __global__ void __launch_bounds__(WgFwd<D, BN>::kThreads, 1)
 
   for (int j = 0; j < nblocks; ++j) {
     const int s = j % C::kStages;
-    ptx::mbar_wait(full(s), (j / C::kStages) & 1);
+    ptx::mbar_wait(rb.full(s), (j / C::kStages) & 1);
     if (j * BN <= wg_last) {
       const uint32_t kt = k_tile(s), vt = kt + C::kTileBytes;
       if ((j + 1) * BN > klen) {
@@ -240,7 +237,7 @@ __global__ void __launch_bounds__(WgFwd<D, BN>::kThreads, 1)
       ptx::wgmma_wait<0>();
       fence_tiles(st[0].o);
     }
-    if (tid == 0) ptx::mbar_arrive(empty(s));
+    if (tid == 0) ptx::mbar_arrive(rb.empty(s));
   }
 
   const bool valid[2] = {first_row < nrows, first_row + 8 < nrows};

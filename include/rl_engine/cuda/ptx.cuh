@@ -87,13 +87,9 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
-// Barrier `id` (1..15) over `threads` threads (a multiple of 32), e.g. one warpgroup: sync waits
-// for all of them, arrive counts this thread in and goes on (the producer side of a hand-off).
+// Barrier `id` (1..15) over `threads` threads (a multiple of 32), e.g. one warpgroup.
 __device__ __forceinline__ void named_bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 __device__ __forceinline__ void wgmma_fence() {
