@@ -26,6 +26,13 @@ from rl_engine.runtime.plan import MODULES, Plan
 log = logging.getLogger("rl_engine.route")
 
 
+def trace_range(module: str):
+    """The profiler range every routed op of a module runs in, `rlk.<module>`: the trace gate finds
+    by it which kernels a module launched, so a production kernel inside an R module's range is
+    seen for what it is."""
+    return torch.profiler.record_function(f"rlk.{module}")
+
+
 class RouteUnavailable(RuntimeError):
     """A strict R route cannot run its rl_engine kernel (exit code 2)."""
 
@@ -91,11 +98,12 @@ class Router:
 
     def _run(self, module: str, r_fn, p_fn, p_backend: str, *args):
         record = self.records[module]
-        if record.actual == "P":
-            record.call_counts[p_backend] += 1
-            return p_fn(*args)
-        with self.kernels(module):
-            return r_fn(*args)
+        with trace_range(module):
+            if record.actual == "P":
+                record.call_counts[p_backend] += 1
+                return p_fn(*args)
+            with self.kernels(module):
+                return r_fn(*args)
 
     @contextlib.contextmanager
     def kernels(self, module: str):
@@ -148,10 +156,11 @@ class Router:
         fn = getattr(collectives, kind)
         record = self.records[module]
         record.call_counts[collectives.backend_id(kind, x, fixed)] += 1
-        if fixed and kind != "all_gather":
-            with self.kernels(module):
-                return fn(x, group, fixed=True)
-        return fn(x, group, fixed=fixed)
+        with trace_range(module):
+            if fixed and kind != "all_gather":
+                with self.kernels(module):
+                    return fn(x, group, fixed=True)
+            return fn(x, group, fixed=fixed)
 
     def module_records(self) -> list[dict[str, Any]]:
         return [r.as_dict() for r in self.records.values()]
