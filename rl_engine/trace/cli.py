@@ -46,7 +46,7 @@ def gate_cmd(
     if world_size < 1:
         raise BadInput(f"--world-size {world_size} must be at least 1")
     sides = SIDES if side == "both" else (side,)
-    counts = gate.count(trace, device)
+    counts = gate.count(trace, device, sides)
     report = gate.gate(counts, plan, device=device, world_size=world_size, sides=sides, tp=tp)
     report["trace_files"] = [str(p) for p in gate.trace_files(trace)]
     if output is not None:

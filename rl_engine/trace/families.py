@@ -92,3 +92,57 @@ def is_reference_collective(name: str, device: str) -> bool:
     if device == "cuda":
         return bool(REFERENCE_CUDA.search(name))
     return bool(REFERENCE_CPU.match(name))
+
+
+# Production kernel families: the torch-native and vendor kernels that P routes launch. Under an R
+# route none may run inside that module's `rlk.<module>` range. A name is tried against the
+# rl_engine patterns first, so an `rlk_` symbol is never taken for a production kernel, and then
+# in this order: the attention libraries before the norm, softmax and GEMM patterns, since their
+# names also mention softmax, GEMM tiles and cutlass.
+PRODUCTION_CUDA: tuple[tuple[str, re.Pattern[str]], ...] = (
+    # torch's memory-efficient SDPA (fmha_cutlassF_bf16_aligned_64x64_rf_sm80, fmha_cutlassB_...).
+    ("efficient_sdpa", re.compile(r"fmha_cutlass|efficient_attention", re.IGNORECASE)),
+    # cuDNN's fused attention (cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_..., and
+    # the older fmha_* kernels).
+    ("cudnn_sdpa", re.compile(r"cudnn|sm\d+_flash_[fb]prop|fmha", re.IGNORECASE)),
+    # flash-attention (pytorch_flash::flash_fwd_kernel, flash_fwd_splitkv_kernel,
+    # flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel, flash_bwd_dot_do_o_kernel; FA3's FlashAttn*).
+    ("flash_sdpa", re.compile(r"pytorch_flash|flash_fwd|flash_bwd|FlashAttn", re.IGNORECASE)),
+    # torch's layer-norm kernels, which F.rms_norm also runs (vectorized_layer_norm_kernel,
+    # RowwiseMomentsCUDAKernel, GammaBetaBackward..., cuComputeGradInput).
+    ("torch_norm", re.compile(r"rms_?norm|layer_?norm|RowwiseMoments|GammaBetaBackward|"
+                              r"cuComputeGradInput|cuComputePartGradGammaBeta|cuComputeGradGammaBeta",
+                              re.IGNORECASE)),
+    # softmax_warp_forward, cunn_SoftMaxForward, LogSoftMaxForwardEpilogue, ...
+    ("torch_softmax", re.compile(r"softmax", re.IGNORECASE)),
+    # cuBLAS / cuBLASLt: sm90_xmma_gemm_*, nvjet_*, ampere_bf16_s16816gemm_*, cutlass_80_tensorop_
+    # *gemm*, gemv2T_kernel, gemvx, splitKreduce_kernel.
+    ("cublas_gemm", re.compile(r"gemm|gemv|nvjet|xmma|cublas|cutlass|splitKreduce", re.IGNORECASE)),
+)
+
+# The CPU twins are op events: ops that only a P route calls inside a module's range. Backward
+# ops (aten::_scaled_dot_product_flash_attention_for_cpu_backward, aten::_log_softmax_backward_data,
+# aten::_fused_rms_norm_backward) fall under the same prefixes.
+PRODUCTION_CPU: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("aten_gemm", re.compile(r"^aten::(linear|mm|addmm|matmul|bmm|baddbmm|addbmm)$")),
+    ("aten_sdpa", re.compile(r"^aten::(scaled_dot_product_attention|_scaled_dot_product_)")),
+    ("aten_norm", re.compile(r"^aten::(rms_norm|_fused_rms_norm|layer_norm|native_layer_norm)")),
+    ("aten_softmax", re.compile(r"^aten::(_?log_softmax|_?softmax)")),
+)
+PRODUCTION_FAMILIES: dict[str, tuple[str, ...]] = {
+    "cuda": tuple(f for f, _ in PRODUCTION_CUDA), "cpu": tuple(f for f, _ in PRODUCTION_CPU)}
+
+
+def rl_engine_family(name: str, device: str) -> str | None:
+    return cuda_family(name) if device == "cuda" else cpu_family(name)
+
+
+def production_family(name: str, device: str) -> str | None:
+    """The production family of a kernel (cuda) or op event (cpu) name, or None. An rl_engine
+    kernel is never production, whatever else its name mentions."""
+    if rl_engine_family(name, device):
+        return None
+    for family, pattern in PRODUCTION_CUDA if device == "cuda" else PRODUCTION_CPU:
+        if pattern.search(name):
+            return family
+    return None

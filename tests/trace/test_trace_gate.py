@@ -14,6 +14,7 @@ import torch
 from rl_engine.cli import main
 from rl_engine.ops import _lib, attention, linear, logp, norm, rope, swiglu
 from rl_engine.trace import families, gate
+from rl_engine.runtime.routing import trace_range
 from rl_engine.runtime.trace_record import record
 
 import seeded
@@ -28,32 +29,39 @@ def randn(*shape, seed):
 
 def step(*, r_swiglu: bool = True, r_ops: bool = True, collective: bool = True) -> None:
     """One tiny forward and backward through every routed op, on rl_engine's kernels (r_ops) or the
-    production twins; r_swiglu=False runs only swiglu on its twin, as an ffn P/P cell would."""
+    production twins, each inside its module's range as the router runs it; r_swiglu=False runs
+    only swiglu (the ffn range's one op here) on its twin, as an ffn P/P cell would."""
     pick = (lambda r, p: r) if r_ops else (lambda r, p: p)
     x, w, g = randn(6, 32, seed=1), randn(64, 32, seed=2), randn(32, seed=3)
-    h = pick(norm.det_rmsnorm, norm.production_rmsnorm)(x, g, 1e-6)
-    gate_up = pick(linear.det_linear, linear.production_linear)(h, w)
-    act = (swiglu.det_swiglu if r_swiglu and r_ops else swiglu.production_swiglu)(gate_up)
+    with trace_range("attention"):
+        h = pick(norm.det_rmsnorm, norm.production_rmsnorm)(x, g, 1e-6)
+        gate_up = pick(linear.det_linear, linear.production_linear)(h, w)
+    with trace_range("ffn"):
+        act = (swiglu.det_swiglu if r_swiglu and r_ops else swiglu.production_swiglu)(gate_up)
     q = act.reshape(6, 1, 32)[..., :D].expand(6, HQ, D).contiguous()
     k = act.reshape(6, 1, 32)[..., D:].expand(6, HKV, D).contiguous()
     pos = torch.arange(6)
-    q = pick(rope.det_rope, rope.production_rope)(q, pos, 10_000.0)
     cu = torch.tensor([0, 6], dtype=torch.int32)
-    if r_ops:
-        out = attention.det_attention(q, k, k, cu, cu, pos, D ** -0.5)[0]
-    else:
-        out = attention.production_attention(q, k, k, cu, cu, pos, D ** -0.5)
+    with trace_range("attention"):
+        q = pick(rope.det_rope, rope.production_rope)(q, pos, 10_000.0)
+        if r_ops:
+            out = attention.det_attention(q, k, k, cu, cu, pos, D ** -0.5)[0]
+        else:
+            out = attention.production_attention(q, k, k, cu, cu, pos, D ** -0.5)
     head = randn(300, HQ * D, seed=4)
     target = torch.tensor([1, 5, 299, 7, 0, 42])
-    lp = pick(logp.det_selected_logp, logp.production_selected_logp)(out.reshape(6, -1), head, target)
+    with trace_range("logp"):
+        lp = pick(logp.det_selected_logp, logp.production_selected_logp)(out.reshape(6, -1), head,
+                                                                        target)
     lp.sum().backward()
     page = 2  # 6 tokens fill 3 pages
     cache = k.detach().reshape(-1, page, HKV, D)
     table = torch.arange(math.ceil(6 / page), dtype=torch.int32)[None]
     decode = attention.det_attention_decode if r_ops else attention.production_attention_decode
-    decode(q.detach()[-1:], cache, cache, table, torch.tensor([6], dtype=torch.int32), D ** -0.5)
-    if collective and r_ops:
-        _lib.ops().rank_order_sum(torch.randn(2, 8))
+    with trace_range("attention"):
+        decode(q.detach()[-1:], cache, cache, table, torch.tensor([6], dtype=torch.int32), D ** -0.5)
+        if collective and r_ops:
+            _lib.ops().rank_order_sum(torch.randn(2, 8))
 
 
 @pytest.fixture(scope="module")
