@@ -7,6 +7,10 @@ device-to-device copy and the 4.8 TB/s datasheet figure, at 32768 tokens. Shapes
 (bf16, hidden 4096, 32 query heads of 128, intermediate 12288, vocab 151936).
 
     python benchmarks/hopper_ops.py [--out results.json] [--repeats 15] [--quick]
+                                    [--sections gemm,memory,logp]
+
+The JSON records the commit of the checkout it ran from, whether tracked files differed from it
+(dirty) and which ones (changed_files), so a result names the code it measured.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 from pathlib import Path
 
 import torch
@@ -28,8 +33,17 @@ SCHEMA_VERSION = 1
 RESULT = Path(__file__).resolve().parent / "results" / "hopper_ops.json"
 DT = torch.bfloat16
 DATASHEET_TBS = 4.8
-GEMM_NK = [(4096, 4096), (12288, 4096), (4096, 12288)]
-GEMM_M = [1, 16, 128, 1024, 4096, 8192]
+# (name, N, K): the square and wide/deep cases, then the projections of Qwen3-4B and Qwen3-8B
+# (q and kv alone, and fused as the model runs them; o; gate-up fused; down).
+GEMM_SHAPES = [
+    ("square", 4096, 4096), ("wide", 12288, 4096), ("deep", 4096, 12288),
+    ("4b_q", 4096, 2560), ("4b_kv", 1024, 2560), ("4b_qkv", 6144, 2560), ("4b_o", 2560, 4096),
+    ("4b_gate_up", 19456, 2560), ("4b_down", 2560, 9728),
+    ("8b_kv", 1024, 4096), ("8b_qkv", 6144, 4096), ("8b_gate_up", 24576, 4096),
+]  # 8B's q and o are "square", its down "deep"
+GEMM_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 8192]
+L2_BYTES = 60 * 2**20
+WEIGHT_STREAM_M = 16  # at M up to this the weight stream's bandwidth is reported
 
 
 def randn(*shape, scale=1.0, dtype=DT):
@@ -56,16 +70,52 @@ def copy_tbs(repeats):
     return 2 * x.numel() / ms / 1e9
 
 
+def time_graphs(r_calls, p_calls, repeats):
+    """(median ms per call of r, of p): each list of calls captured once as a CUDA graph (no launch
+    gaps: a decode-size GEMM runs for less time than its launch takes on the host), replays timed
+    alternately."""
+    graphs = []
+    for calls in (r_calls, p_calls):
+        for c in calls:  # warm-up outside the capture: handles, workspaces, tensor-map encoder
+            c()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, capture_error_mode="relaxed"):
+            for c in calls:
+                c()
+        graphs.append(g)
+    for _ in range(2):
+        graphs[0].replay(), graphs[1].replay()
+    r_ms, p_ms = time_pair(graphs[0].replay, graphs[1].replay, repeats, warmup=0)
+    return r_ms / len(r_calls), p_ms / len(p_calls)
+
+
 def gemm_rows(ops, repeats, quick):
+    """det_gemm against F.linear (cuBLAS) at every M and shape. Each graph cycles through enough
+    copies of the weight that none is still in L2 when it comes round again, so small-M rows time the
+    weight stream from HBM. Also checks that every M gives the rows of the M = 8192 call bit for bit."""
     rows = []
-    for n, k in GEMM_NK[:1] if quick else GEMM_NK:
-        x, w = randn(max(GEMM_M), k), randn(n, k, scale=0.02)
+    for name, n, k in GEMM_SHAPES[:1] if quick else GEMM_SHAPES:
+        wbytes = n * k * 2
+        ws = [randn(n, k, scale=0.02) for _ in range(min(24, max(2, -(-3 * L2_BYTES // wbytes))))]
+        x = randn(max(GEMM_M), k)
+        y_all = ops.det_gemm(x, ws[0], None)
         for m in GEMM_M:
             xm = x[:m]
-            r_ms, p_ms = time_pair(lambda: ops.det_gemm(xm, w, None), lambda: F.linear(xm, w), repeats)
+            same = torch.equal(ops.det_gemm(xm, ws[0], None), y_all[:m])
+            calls = max(4, len(ws)) if m <= 1024 else 2
+            r_ms, p_ms = time_graphs([lambda w=ws[i % len(ws)]: ops.det_gemm(xm, w, None) for i in range(calls)],
+                                     [lambda w=ws[i % len(ws)]: F.linear(xm, w) for i in range(calls)],
+                                     repeats)
             flop = 2 * m * n * k
-            rows.append(dict(op="det_gemm", m=m, n=n, k=k, r_ms=r_ms, p_ms=p_ms,
-                             r_tflops=flop / r_ms / 1e9, p_tflops=flop / p_ms / 1e9, ratio=p_ms / r_ms))
+            row = dict(op="det_gemm", shape=name, m=m, n=n, k=k, r_ms=r_ms, p_ms=p_ms,
+                       r_tflops=flop / r_ms / 1e9, p_tflops=flop / p_ms / 1e9, ratio=p_ms / r_ms,
+                       rows_equal_m8192=same)
+            if m <= WEIGHT_STREAM_M:
+                row["r_weight_tbs"] = wbytes / r_ms / 1e9
+                row["p_weight_tbs"] = wbytes / p_ms / 1e9
+            rows.append(row)
+        del ws, x, y_all
     m, n, k = 4096, 4096, 4096
     x, w, dy = randn(m, k), randn(n, k, scale=0.02), randn(m, n)
     for name, r, p in [
@@ -97,8 +147,6 @@ def cycle(calls):
 
     return run
 
-
-L2_BYTES = 60 * 2**20
 
 
 def memory_rows(ops, repeats, copy):
@@ -190,31 +238,55 @@ def logp_rows(ops, repeats, quick):
     return rows
 
 
+def source_state():
+    """{"commit", "dirty", "changed_files"} of this checkout (None where git cannot tell)."""
+    def git(*args):
+        try:
+            return subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), *args],
+                                  capture_output=True, text=True, timeout=30, check=True).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    commit, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+    changed = None if status is None else [line[3:] for line in status.splitlines()]
+    return dict(commit=None if commit is None else commit.strip(),
+                dirty=None if changed is None else bool(changed), changed_files=changed)
+
+
+SECTIONS = ("gemm", "memory", "logp")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=RESULT)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help="which of gemm, memory, logp to run")
     args = ap.parse_args()
+    sections = args.sections.split(",")
+    if not set(sections) <= set(SECTIONS):
+        raise ValueError(f"--sections {args.sections!r}: choose from {', '.join(SECTIONS)}")
     ops = _lib.ops()
     torch.manual_seed(0)
     x = randn(8192, 8192)
     for _ in range(200):  # ~1 s of matrix work first: clocks up before anything is timed
         x @ x
     copy = copy_tbs(args.repeats)
-    result = dict(schema_version=SCHEMA_VERSION, device=torch.cuda.get_device_name(),
+    result = dict(schema_version=SCHEMA_VERSION, source=source_state(), device=torch.cuda.get_device_name(),
                   torch=torch.__version__, cuda=torch.version.cuda, build=json.loads(ops.build_info()),
                   ratio="median production time / median rl_engine time (above 1: rl_engine faster)",
                   copy_tbs=copy, datasheet_tbs=DATASHEET_TBS)
-    result["gemm"] = gemm_rows(ops, args.repeats, args.quick)
-    result["memory_bound"] = memory_rows(ops, args.repeats, copy)
-    result["linear_logp"] = logp_rows(ops, args.repeats, args.quick)
+    result["gemm"] = gemm_rows(ops, args.repeats, args.quick) if "gemm" in sections else []
+    result["memory_bound"] = memory_rows(ops, args.repeats, copy) if "memory" in sections else []
+    result["linear_logp"] = logp_rows(ops, args.repeats, args.quick) if "logp" in sections else []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"copy {copy:.2f} TB/s")
     for row in result["gemm"]:
-        print(f"{row['op']:22s} m={row['m']:5d} n={row['n']:5d} k={row['k']:5d}  R {row['r_tflops']:6.1f} "
-              f"P {row['p_tflops']:6.1f} TFLOP/s  ratio {row['ratio']:.3f}")
+        stream = f"  W {row['r_weight_tbs']:.2f} TB/s" if "r_weight_tbs" in row else ""
+        same = "" if row.get("rows_equal_m8192", True) else "  ROWS DIFFER"
+        print(f"{row['op']:20s} {row.get('shape', ''):10s} m={row['m']:5d} n={row['n']:5d} k={row['k']:5d} "
+              f"R {row['r_ms'] * 1e3:8.1f} us P {row['p_ms'] * 1e3:8.1f} us  ratio {row['ratio']:.3f}{stream}{same}")
     for row in result["memory_bound"]:
         print(f"{row['op']:22s} R {row['r_tbs']:5.2f} TB/s ({100 * row['frac_of_datasheet']:4.1f}% of 4.8)"
               f"  P {row['p_tbs']:5.2f}  ratio {row['ratio']:.3f}  |R-P| {row['max_abs_diff_vs_production']:.3g}"

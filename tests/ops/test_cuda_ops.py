@@ -52,6 +52,28 @@ def test_det_gemm_rows_do_not_depend_on_batch_or_position(ops, dtype):
     assert torch.equal(ops.det_gemm(x[5:6], w, bias), yb[5:6])
 
 
+# Widths N at which, on a 132-SM H200, choose_gemm_tile picks each tile (one warpgroup at M <= 64:
+# 64, 32, 16, 8 columns at N = 8448, 4096, 2048, 1024; two at 64 < M <= 128: 256, 128, 64, 32 at
+# N = 33792, 16896, 8448, 4096; 128 x 256 or 128 x 64 above), so the M x N grid below runs every tile
+# and ring the kernel can pick, including the A boxes shorter than the tile (M < 64).
+GEMM_TILE_NS = (1024, 2048, 4096, 8448, 16896, 33792)
+GEMM_ROW_MS = (1, 2, 3, 4, 8, 16, 17, 32, 64, 65, 128, 256, 1000, 1024, 4096, 4097, 8192)
+
+
+def test_det_gemm_every_tile_gives_the_same_bits(ops):
+    k = 1000  # 16 K blocks, not a multiple of the 2 or 4 blocks a narrow tile's stage holds
+    x, w = randn(8192, k, seed=11), randn(max(GEMM_TILE_NS), k, seed=12)
+    y = ops.det_gemm(x, w, None)  # 128 x 256 tiles, the large-M kernel
+    assert rel(y[:64], x[:64].double() @ w.double().T) < REL[torch.bfloat16]
+    for n in GEMM_TILE_NS:
+        for m in GEMM_ROW_MS:
+            for off in sorted({0, 1, 8192 - m}):
+                if off + m > 8192:
+                    continue
+                out = ops.det_gemm(x[off:off + m], w[:n], None)
+                assert torch.equal(out, y[off:off + m, :n]), (n, m, off)
+
+
 def test_det_gemm_fp32_path_is_invariant_and_exact(ops):
     x, w = randn(300, 70, dtype=torch.float32, seed=4), randn(90, 70, dtype=torch.float32, seed=5)
     y = ops.det_gemm(x, w, None)

@@ -1,13 +1,17 @@
 // Batch-invariant GEMM C[m, n] = sum_k A[m, k] B[n, k] for Hopper (sm_90a), both operands K-major.
 //
-// One tile configuration for every shape: 128 x 256 output tiles, K walked in steps of 64 from 0
-// upwards, each step four wgmma m64n256k16 into fp32 registers. A row's bits therefore depend only
-// on that row and B: not on M, on the row's position, on the grid or on the tile order. There is
-// no split-K, no stream-K and no atomic. The grid is persistent (one CTA per SM, tiles strided over
-// CTAs); warpgroup 0 is the producer (one thread issues bulk tensor copies into a 4-stage ring of
-// shared memory guarded by mbarriers), warpgroups 1 and 2 each own 64 rows of the tile.
+// The reduction order is one for every shape: K walked in 64-wide blocks from 0 upwards, each block
+// four wgmma k16 steps into one fp32 accumulator, zero-filled past K; no split-K, no stream-K, no
+// atomic. What changes with the shape is only the output tile (64 or 128 rows, 8 to 256 columns,
+// picked by choose_gemm_tile) and how many K blocks one shared-memory stage holds: a row's bits
+// depend only on that row and B, not on M, on the row's position, on the tile or on the grid.
 //
-// The epilogue is a functor called by each consumer warpgroup with its 64 x 256 fp32 fragment, so
+// The grid is persistent (one CTA per SM, tiles strided over CTAs); warpgroup 0 is the producer (one
+// thread issues bulk tensor copies into a ring of shared-memory stages guarded by mbarriers), each
+// consumer warpgroup owns 64 rows of the tile. At small M the GEMM streams B: narrow tiles give
+// every SM a slice of B's rows, and A's box shrinks to the rows that exist, so the ring holds B.
+//
+// The epilogue is a functor called by each consumer warpgroup with its 64 x BN fp32 fragment, so
 // the same main loop serves det_gemm's store and the fused log-sum-exp tiles of linear_logp.
 #pragma once
 
@@ -15,20 +19,40 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
+#include "rl_engine/cuda/gemm_wgmma.cuh"
 #include "rl_engine/cuda/ptx.cuh"
 #include "rl_engine/cuda/types.cuh"
 
 namespace rl_engine::cuda {
 
 namespace gemm_cfg {
-constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4, kConsumers = 2;
-constexpr int kThreads = 128 * (1 + kConsumers);
-constexpr uint32_t kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2;
-constexpr uint32_t kStageBytes = kABytes + kBBytes;
-constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;  // + barriers, alignment
+constexpr int kBK = 64;  // one K block: 64 16-bit values, one 128-byte swizzled row per tile row
+constexpr int kRowBytes = kBK * 2;
+constexpr int kMaxStages = 16;
+constexpr int kRingBytes = 208 * 1024;
+// wgmma reads 64 rows of A per consumer; where A's box is shorter (M < 64), the rows past it come
+// from whatever follows in shared memory and only reach output rows that are never stored.
+constexpr int kSlackBytes = 64 * kRowBytes;
+constexpr int kSmemBytes = kRingBytes + kSlackBytes + 2 * kMaxStages * 8 + 1024;  // + barriers, alignment
 constexpr int kGroupM = 16;  // tile order: 16 row blocks per band, for L2 reuse of B
 }  // namespace gemm_cfg
+
+// Shared-memory ring of one launch: each stage holds gemm_subs(bn) K blocks of A (a_rows rows each)
+// then as many of B (bn rows each), every block 1024-byte aligned as the 128-byte swizzle needs.
+struct GemmRing {
+  int a_rows, stages;
+  uint32_t a_bytes, b_bytes, stage_bytes;  // one K block of A, of B; one stage
+};
+
+// K blocks per ring stage for a tile width: narrow tiles take several, so each barrier round trip
+// moves at least 8 KB of B. The last stage of a tile may reach past K: its blocks are zero-filled,
+// and a k16 step of zero products leaves the accumulator's bits as they were (it starts at +0 and
+// a round-to-nearest sum is never -0 unless both terms are), so the stage size never shows in a row.
+__host__ __device__ constexpr int gemm_subs(int bn) {
+  return 8192 / (bn * gemm_cfg::kRowBytes) < 1 ? 1 : 8192 / (bn * gemm_cfg::kRowBytes) > 4 ? 4 : 8192 / (bn * gemm_cfg::kRowBytes);
+}
 
 // Position of one output tile in the persistent order (bands of kGroupM row blocks, column-major
 // inside a band). Only the schedule depends on it, never the arithmetic.
@@ -42,21 +66,23 @@ __device__ __forceinline__ void gemm_tile_coords(int tile, int m_blocks, int n_b
   nb = local / rows;
 }
 
-// Fragment layout of one consumer (m64n256 fp32): thread t of the warpgroup holds, for each
-// 8-column block j, acc[4j + 2h + e] = C[row0 + 16 (t / 32) + (t % 32) / 4 + 8h, col0 + 8j + 2 (t % 4) + e].
-template <bool kHalf, typename Epi>
-__global__ void __launch_bounds__(gemm_cfg::kThreads, 1)
+// Fragment layout of one consumer (m64nBN fp32): thread t of the warpgroup holds, for each 8-column
+// block j, acc[4j + 2h + e] = C[row0 + 16 (t / 32) + (t % 32) / 4 + 8h, col0 + 8j + 2 (t % 4) + e].
+template <int kConsumers, int kBN, bool kHalf, typename Epi>
+__global__ void __launch_bounds__(128 * (1 + kConsumers), 1)
     rlk_det_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
-                         const __grid_constant__ CUtensorMap map_b, int m, int n, int k, const Epi epi) {
+                             const __grid_constant__ CUtensorMap map_b, int m, int n, int k,
+                             const GemmRing ring, const Epi epi) {
   using namespace gemm_cfg;
+  constexpr int kBM = 64 * kConsumers, kSubs = gemm_subs(kBN);
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t base = (ptx::smem_u32(smem_raw) + 1023u) & ~1023u;
-  const uint32_t bars = base + kStages * kStageBytes;
+  const uint32_t bars = base + kRingBytes + kSlackBytes;
   auto full = [&](uint32_t s) { return bars + 8u * s; };
-  auto empty = [&](uint32_t s) { return bars + 8u * (kStages + s); };
+  auto empty = [&](uint32_t s) { return bars + 8u * (kMaxStages + s); };
 
   if (threadIdx.x == 0) {
-    for (uint32_t s = 0; s < kStages; ++s) {
+    for (int s = 0; s < ring.stages; ++s) {
       ptx::mbar_init(full(s), 1);
       ptx::mbar_init(empty(s), kConsumers);
     }
@@ -67,21 +93,25 @@ __global__ void __launch_bounds__(gemm_cfg::kThreads, 1)
   const int m_blocks = (m + kBM - 1) / kBM, n_blocks = (n + kBN - 1) / kBN;
   const int tiles = m_blocks * n_blocks, k_iters = (k + kBK - 1) / kBK;
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+  const uint32_t b_off = kSubs * ring.a_bytes;
 
   if (wg == 0) {
     ptx::setmaxnreg_dec<24>();
     if (tid != 0) return;
-    uint32_t it = 0;
+    int s = 0;
+    uint32_t phase = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       int mb, nb;
       gemm_tile_coords(tile, m_blocks, n_blocks, mb, nb);
-      for (int kb = 0; kb < k_iters; ++kb, ++it) {
-        const uint32_t s = it % kStages, phase = (it / kStages) & 1u;
+      for (int kb = 0; kb < k_iters; kb += kSubs) {
         ptx::mbar_wait(empty(s), phase ^ 1u);  // first pass: the slot starts free
-        ptx::mbar_arrive_expect_tx(full(s), kStageBytes);
-        const uint32_t a = base + s * kStageBytes;
-        ptx::tma_load_2d(a, &map_a, full(s), kb * kBK, mb * kBM);
-        ptx::tma_load_2d(a + kABytes, &map_b, full(s), kb * kBK, nb * kBN);
+        ptx::mbar_arrive_expect_tx(full(s), ring.stage_bytes);
+        const uint32_t st = base + s * ring.stage_bytes;
+        for (int j = 0; j < kSubs; ++j) {
+          ptx::tma_load_2d(st + j * ring.a_bytes, &map_a, full(s), (kb + j) * kBK, mb * kBM);
+          ptx::tma_load_2d(st + b_off + j * ring.b_bytes, &map_b, full(s), (kb + j) * kBK, nb * kBN);
+        }
+        if (++s == ring.stages) s = 0, phase ^= 1u;
       }
     }
     return;
@@ -89,32 +119,39 @@ __global__ void __launch_bounds__(gemm_cfg::kThreads, 1)
 
   ptx::setmaxnreg_inc<240>();
   const int c = wg - 1;
-  float acc[128];
-  uint32_t it = 0;
+  float acc[kBN / 2];
+  int s = 0;
+  uint32_t phase = 0;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     int mb, nb;
     gemm_tile_coords(tile, m_blocks, n_blocks, mb, nb);
 #pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-    for (int kb = 0; kb < k_iters; ++kb, ++it) {
-      const uint32_t s = it % kStages, phase = (it / kStages) & 1u;
+    for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.f;
+    int held = -1;  // the stage whose products may still be in flight
+    for (int kb = 0; kb < k_iters; kb += kSubs) {
       ptx::mbar_wait(full(s), phase);
-      const uint32_t a = base + s * kStageBytes + c * (64 * 128);
-      const uint32_t b = base + s * kStageBytes + kABytes;
+      const uint32_t st = base + s * ring.stage_bytes;
       ptx::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk) {
-        ptx::wgmma_m64n256k16<kHalf>(acc, ptx::smem_desc_sw128(a + 32 * kk),
-                                     ptx::smem_desc_sw128(b + 32 * kk));
+      for (int j = 0; j < kSubs; ++j) {
+        const uint32_t a = st + j * ring.a_bytes + c * (64 * kRowBytes);
+        const uint32_t b = st + b_off + j * ring.b_bytes;
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) {
+          ptx::wgmma_gemm<kBN, kHalf>(acc, ptx::smem_desc_sw128(a + 32 * kk),
+                                      ptx::smem_desc_sw128(b + 32 * kk));
+        }
       }
       ptx::wgmma_commit();
-      ptx::wgmma_wait<1>();  // the previous step's products are done: free its slot
-      if (kb > 0 && tid == 0) ptx::mbar_arrive(empty((it - 1) % kStages));
+      ptx::wgmma_wait<1>();  // the previous stage's products are done: free its slot
+      if (held >= 0 && tid == 0) ptx::mbar_arrive(empty(held));
+      held = s;
+      if (++s == ring.stages) s = 0, phase ^= 1u;
     }
     ptx::wgmma_wait<0>();
-    if (k_iters > 0 && tid == 0) ptx::mbar_arrive(empty((it - 1) % kStages));
+    if (held >= 0 && tid == 0) ptx::mbar_arrive(empty(held));
 #pragma unroll
-    for (int i = 0; i < 128; ++i) ptx::reg_fence(acc[i]);
+    for (int i = 0; i < kBN / 2; ++i) ptx::reg_fence(acc[i]);
     epi(acc, mb * kBM + c * 64, nb * kBN, m, n);
   }
 }
@@ -166,6 +203,7 @@ __global__ void __launch_bounds__(256)
 // out[r, c] = acc (+ bias[c]) or out[r, c] + acc (accumulate, fp32 outputs), rounded once to Out.
 template <typename Out>
 struct StoreEpilogue {
+  static constexpr bool kAnyWidth = true;  // takes a fragment of any tile width
   Out* out;
   int64_t ldo;
   const float* bias;  // fp32 [n] or null
@@ -192,12 +230,13 @@ struct StoreEpilogue {
     }
   }
 
-  __device__ __forceinline__ void operator()(const float (&acc)[128], int row0, int col0, int m,
+  template <int kA>
+  __device__ __forceinline__ void operator()(const float (&acc)[kA], int row0, int col0, int m,
                                              int n) const {
     const int t = threadIdx.x % 128;
     const int r = row0 + (t / 32) * 16 + (t % 32) / 4, cq = col0 + (t % 4) * 2;
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
+    for (int j = 0; j < kA / 4; ++j) {
       store_pair(r, cq + 8 * j, acc[4 * j], acc[4 * j + 1], m, n);
       store_pair(r + 8, cq + 8 * j, acc[4 * j + 2], acc[4 * j + 3], m, n);
     }
@@ -232,8 +271,8 @@ inline TmaEncodeFn tma_encode_fn() {
   return fn;
 }
 
-// Tensor map of a row-major [rows, cols] 16-bit matrix, box 64 columns x box_rows rows, 128-byte
-// swizzle; reads past the edges return zeros. Needs a 16-byte aligned base and row pitch.
+// Tensor map of a row-major [rows, cols] 16-bit matrix, box 64 columns x box_rows rows (8 to 256),
+// 128-byte swizzle; reads past the edges return zeros. Needs a 16-byte aligned base and row pitch.
 inline cudaError_t encode_tma_2d(CUtensorMap* map, const void* ptr, DType dtype, int64_t rows,
                                  int64_t cols, int64_t ld, uint32_t box_rows) {
   const TmaEncodeFn encode = tma_encode_fn();
@@ -250,22 +289,95 @@ inline cudaError_t encode_tma_2d(CUtensorMap* map, const void* ptr, DType dtype,
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-template <typename Epi>
-cudaError_t launch_det_gemm_sm90(const GemmOperands& op, const Epi& epi, int num_sms,
+// Output tile of the sm_90a kernel: 64 * consumers rows by bn columns.
+struct GemmTile {
+  int consumers, bn;
+};
+
+// The one tile choice of det_gemm (forward and both backward products). It may look at M, N and the
+// SM count because the tile never changes a row's bits (see the top of this file); K is not looked
+// at. Rows: one 64-row warpgroup up to M = 64, two above. Columns: the widest of the tile widths
+// whose tiles keep at least 80% of the SMs busy in every wave of the persistent grid, else the
+// narrowest. At M <= 128 this spreads B's rows over every SM (B is the bytes to move); at large M it
+// keeps the 128 x 256 tile, whose operands are re-read least.
+inline GemmTile choose_gemm_tile(int m, int n, int num_sms) {
+  static constexpr int kOne[] = {64, 32, 16, 8}, kTwo[] = {256, 128, 64, 32};
+  const int consumers = m <= 64 ? 1 : 2;
+  const int* widths = consumers == 1 ? kOne : kTwo;
+  const int m_blocks = (m + 64 * consumers - 1) / (64 * consumers);
+  for (int i = 0; i < 4; ++i) {
+    const int64_t tiles = static_cast<int64_t>(m_blocks) * ((n + widths[i] - 1) / widths[i]);
+    const int64_t waves = (tiles + num_sms - 1) / num_sms;
+    if (10 * tiles >= 8 * waves * num_sms) return {consumers, widths[i]};
+  }
+  return {consumers, widths[3]};
+}
+
+// The ring for a tile: A's box holds only the rows that exist (M rounded up to 8) when M is below
+// the tile height; gemm_subs K blocks a stage; as many stages as fit.
+inline GemmRing gemm_ring(GemmTile t, int m) {
+  using namespace gemm_cfg;
+  GemmRing r{};
+  const int bm = 64 * t.consumers;
+  r.a_rows = m >= bm ? bm : (m + 7) / 8 * 8;
+  r.a_bytes = static_cast<uint32_t>(r.a_rows * kRowBytes);
+  r.b_bytes = static_cast<uint32_t>(t.bn * kRowBytes);
+  r.stage_bytes = gemm_subs(t.bn) * (r.a_bytes + r.b_bytes);
+  const int fit = static_cast<int>(kRingBytes / r.stage_bytes);
+  r.stages = fit < kMaxStages ? fit : kMaxStages;
+  return r;
+}
+
+template <int kConsumers, int kBN, typename Epi>
+cudaError_t launch_det_gemm_tile(const GemmOperands& op, const Epi& epi, int num_sms,
                                  cudaStream_t stream) {
   using namespace gemm_cfg;
+  constexpr int kBM = 64 * kConsumers;
   if (op.m <= 0 || op.n <= 0) return cudaSuccess;
+  const GemmRing ring = gemm_ring({kConsumers, kBN}, op.m);
   CUtensorMap map_a, map_b;
-  cudaError_t e = encode_tma_2d(&map_a, op.a, op.dtype, op.m, op.k, op.lda, kBM);
+  cudaError_t e = encode_tma_2d(&map_a, op.a, op.dtype, op.m, op.k, op.lda, ring.a_rows);
   if (e == cudaSuccess) e = encode_tma_2d(&map_b, op.b, op.dtype, op.n, op.k, op.ldb, kBN);
   if (e != cudaSuccess) return e;
-  auto kernel = op.dtype == DType::kF16 ? rlk_det_gemm_sm90_kernel<true, Epi> : rlk_det_gemm_sm90_kernel<false, Epi>;
+  auto kernel = op.dtype == DType::kF16 ? rlk_det_gemm_sm90_kernel<kConsumers, kBN, true, Epi>
+                                        : rlk_det_gemm_sm90_kernel<kConsumers, kBN, false, Epi>;
   e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (e != cudaSuccess) return e;
   const int tiles = ((op.m + kBM - 1) / kBM) * ((op.n + kBN - 1) / kBN);
   const int grid = tiles < num_sms ? tiles : num_sms;
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(map_a, map_b, op.m, op.n, op.k, epi);
+  kernel<<<grid, 128 * (1 + kConsumers), kSmemBytes, stream>>>(map_a, map_b, op.m, op.n, op.k, ring, epi);
   return cudaGetLastError();
+}
+
+template <typename Epi, typename = void>
+struct AnyWidth : std::false_type {};
+template <typename Epi>
+struct AnyWidth<Epi, std::void_t<decltype(Epi::kAnyWidth)>> : std::bool_constant<Epi::kAnyWidth> {};
+
+// det_gemm on the tile choose_gemm_tile picks; an epilogue written for the 64 x 256 fragment alone
+// (linear_logp's) always gets the 128 x 256 tile.
+template <typename Epi>
+cudaError_t launch_det_gemm_sm90(const GemmOperands& op, const Epi& epi, int num_sms,
+                                 cudaStream_t stream) {
+  if constexpr (!AnyWidth<Epi>::value) {
+    return launch_det_gemm_tile<2, 256>(op, epi, num_sms, stream);
+  } else {
+    const GemmTile t = choose_gemm_tile(op.m, op.n, num_sms);
+    if (t.consumers == 1) {
+      switch (t.bn) {
+        case 64: return launch_det_gemm_tile<1, 64>(op, epi, num_sms, stream);
+        case 32: return launch_det_gemm_tile<1, 32>(op, epi, num_sms, stream);
+        case 16: return launch_det_gemm_tile<1, 16>(op, epi, num_sms, stream);
+        default: return launch_det_gemm_tile<1, 8>(op, epi, num_sms, stream);
+      }
+    }
+    switch (t.bn) {
+      case 256: return launch_det_gemm_tile<2, 256>(op, epi, num_sms, stream);
+      case 128: return launch_det_gemm_tile<2, 128>(op, epi, num_sms, stream);
+      case 64: return launch_det_gemm_tile<2, 64>(op, epi, num_sms, stream);
+      default: return launch_det_gemm_tile<2, 32>(op, epi, num_sms, stream);
+    }
+  }
 }
 
 template <typename Epi>
