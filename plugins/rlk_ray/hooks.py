@@ -5,6 +5,13 @@ from the Airflow connection (``host``/``port`` -> ``http://host:port``; a ``host
 has a scheme keeps it), else from ``RLK_RAY_ADDRESS`` (rl-engine's setting, see
 ``rl_engine/envs.py``), else from ``RAY_ADDRESS`` (Ray's own).
 
+The token: a Ray cluster started with ``RAY_AUTH_MODE=token`` (the embedded head is, and so are
+the compose nodes) refuses every job call without it. It is the connection's password, else Ray's
+own ``RAY_AUTH_TOKEN`` (the token) or ``RAY_AUTH_TOKEN_PATH`` (a file holding it), and goes out as
+``Authorization: Bearer <token>`` on every call, the log tail included. Ray's client adds the
+header by itself only where ``RAY_AUTH_MODE=token`` is set in the caller's own environment, which
+an Airflow worker has no reason to set.
+
 ``JobSubmissionClient`` is synchronous (``requests``), except its log tail. The ``a*`` methods run
 the synchronous calls in a worker thread with a timeout, so a trigger's event loop never waits on
 the network; ``atail_logs`` is Ray's own async websocket tail.
@@ -16,10 +23,11 @@ import asyncio
 import os
 import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseHook
-from airflow.sdk.exceptions import AirflowNotFoundException
+from airflow.sdk.exceptions import AirflowException, AirflowNotFoundException
 
 if TYPE_CHECKING:
     # Ray is imported when first used, so a DAG file that imports the operator parses quickly.
@@ -31,14 +39,15 @@ DEFAULT_DASHBOARD_PORT = 8265
 # synchronous client has no timeout of its own.
 REQUEST_TIMEOUT_S = 30.0
 ADDRESS_VARIABLES = ("RLK_RAY_ADDRESS", "RAY_ADDRESS")
+TOKEN_VARIABLE, TOKEN_FILE_VARIABLE = "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"
 
 
 class RayJobHook(BaseHook):
     """Talk to one Ray cluster's Job Submission API.
 
     :param conn_id: Airflow connection holding the dashboard's host and port.
-    :param address: an explicit address; skips the connection and the environment. The trigger
-        uses it, so the triggerer needs neither the connection nor the variables.
+    :param address: an explicit address; skips the connection and the environment for the
+        address (the trigger passes the one the operator used). The token is still looked up.
     """
 
     conn_name_attr = "conn_id"
@@ -76,13 +85,37 @@ class RayJobHook(BaseHook):
             f"dashboard's host and port, or set {' or '.join(ADDRESS_VARIABLES)}"
         )
 
+    def auth_token(self) -> str | None:
+        """The cluster's token (see the module docstring), ``None`` for a cluster without one."""
+        try:
+            conn = self.get_connection(self.conn_id)
+        except AirflowNotFoundException:
+            conn = None
+        if conn is not None and conn.password:
+            return conn.password
+        if os.environ.get(TOKEN_VARIABLE):
+            return os.environ[TOKEN_VARIABLE]
+        path = os.environ.get(TOKEN_FILE_VARIABLE)
+        if not path:
+            return None
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as exc:
+            raise AirflowException(f"{TOKEN_FILE_VARIABLE}={path} is not readable ({exc.strerror}); "
+                                   "point it at the Ray cluster's token file") from None
+        return token or None
+
+    def headers(self) -> dict[str, str]:
+        token = self.auth_token()
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
     def get_client(self) -> JobSubmissionClient:
         # Building the client makes two HTTP calls (version checks); build it once per hook.
         from ray.job_submission import JobSubmissionClient
 
         with self._client_lock:
             if self._client is None:
-                self._client = JobSubmissionClient(self.address)
+                self._client = JobSubmissionClient(self.address, headers=self.headers() or None)
             return self._client
 
     def get_conn(self) -> JobSubmissionClient:
@@ -127,15 +160,16 @@ class RayJobHook(BaseHook):
 
     def node_totals(self) -> list[dict[str, float]]:
         """Total resources of every alive node (CPU, GPU, memory, custom), one dict per node."""
-        from ray.util.state import list_nodes
+        from ray.util.state import StateApiClient
+        from ray.util.state.common import ListApiOptions, StateResource
 
-        nodes = list_nodes(
-            address=self.address,
-            filters=[("state", "=", "ALIVE")],
-            detail=True,
-            timeout=int(REQUEST_TIMEOUT_S),
-            raise_on_missing_output=False,
-        )
+        # ray.util.state.list_nodes takes no headers; its client does (and then needs the
+        # content type, which it otherwise sets itself).
+        client = StateApiClient(self.address, headers={"Content-Type": "application/json",
+                                                       **self.headers()})
+        options = ListApiOptions(filters=[("state", "=", "ALIVE")], detail=True,
+                                 timeout=int(REQUEST_TIMEOUT_S))
+        nodes = client.list(StateResource.NODES, options=options, raise_on_missing_output=False)
         return [dict(node.resources_total or {}) for node in nodes]
 
     # Asynchronous API, for the trigger: nothing here blocks the event loop.

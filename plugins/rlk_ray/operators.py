@@ -49,7 +49,11 @@ class RayJobOperator(BaseOperator):
     :param rlk_positional: positional arguments of the verb, e.g. a file (templated).
     :param entrypoint: a literal shell command instead of ``rlk_args``. Not templated on purpose: a
         command built from params must go through ``rlk_args``/``rlk_options``, which are quoted.
-    :param num_cpus: CPUs reserved for the entrypoint (the driver), ``num_gpus`` likewise.
+    :param num_cpus: CPUs reserved for the entrypoint (the driver), ``num_gpus`` likewise
+        (templated, so a DAG can size them from its params).
+    :param cluster_needs: resources one node must hold for the job to ever finish though the
+        entrypoint does not reserve them (the GPUs of ranks that are Ray actors, say); checked with
+        the entrypoint's own request once the job has waited ``pending_timeout`` (templated).
     :param entrypoint_resources: custom Ray resources for the entrypoint (``resources`` is already
         BaseOperator's executor-resources argument).
     :param runtime_env: Ray runtime environment of the job (templated).
@@ -62,7 +66,8 @@ class RayJobOperator(BaseOperator):
     default is 2.0, the doubling delay.
     """
 
-    template_fields = ("rlk_args", "rlk_options", "rlk_positional", "runtime_env")
+    template_fields = ("rlk_args", "rlk_options", "rlk_positional", "runtime_env", "num_gpus",
+                       "cluster_needs")
     ui_color = "#e8f0fe"
 
     def __init__(
@@ -75,6 +80,7 @@ class RayJobOperator(BaseOperator):
         num_cpus: float | None = None,
         num_gpus: float | None = None,
         entrypoint_resources: dict[str, float] | None = None,
+        cluster_needs: dict[str, float] | None = None,
         runtime_env: dict[str, Any] | None = None,
         pending_timeout: float = 600.0,
         poll_interval: float = 5.0,
@@ -100,6 +106,7 @@ class RayJobOperator(BaseOperator):
         self.num_cpus = num_cpus
         self.num_gpus = num_gpus
         self.entrypoint_resources = entrypoint_resources
+        self.cluster_needs = cluster_needs
         self.runtime_env = runtime_env
         self.pending_timeout = pending_timeout
         self.poll_interval = poll_interval
@@ -138,6 +145,8 @@ class RayJobOperator(BaseOperator):
                 entrypoint_num_cpus=self.num_cpus,
                 entrypoint_num_gpus=self.num_gpus,
                 entrypoint_resources=self.entrypoint_resources,
+                cluster_needs=self.cluster_needs,
+                conn_id=self.conn_id,
                 pending_timeout=self.pending_timeout,
                 poll_interval=self.poll_interval,
             ),

@@ -12,6 +12,10 @@ the missing resource. A job that fits some node but is queued behind others is l
 warning is logged once): on a busy cluster waiting is the right thing, and Ray itself fails a job
 whose driver never starts (``RAY_JOB_START_TIMEOUT_SECONDS``). ``pending_timeout`` is also the
 grace an autoscaler gets to add the missing node type before the job is called infeasible.
+``cluster_needs`` are resources the job needs on one node without reserving them for its driver
+(the GPUs of ranks that are Ray actors): they count in that check, and a job already RUNNING
+after ``pending_timeout`` is checked against them once, so a driver that started on a CPU node
+while its ranks can never be placed is stopped the same way.
 
 Killing: Airflow 3.3 calls ``on_kill()`` only when a user acts on the deferred task (mark failed,
 clear, mark success), not when the triggerer restarts or hands the trigger to another triggerer.
@@ -108,6 +112,9 @@ class RayJobTrigger(BaseTrigger):
     :param entrypoint_num_cpus: what the job was submitted with (``entrypoint_num_gpus`` and
         ``entrypoint_resources`` likewise); Ray's job details do not report it, and the
         feasibility check needs it.
+    :param cluster_needs: resources one node must hold for the job, beyond what its entrypoint
+        reserved (see the module docstring).
+    :param conn_id: the Airflow connection, for the cluster's token (the address is given).
     :param pending_timeout: seconds a job may stay PENDING before its request is checked against
         the cluster (see the module docstring).
     :param poll_interval: seconds between status polls.
@@ -123,6 +130,8 @@ class RayJobTrigger(BaseTrigger):
         entrypoint_num_cpus: float | None = None,
         entrypoint_num_gpus: float | None = None,
         entrypoint_resources: dict[str, float] | None = None,
+        cluster_needs: dict[str, float] | None = None,
+        conn_id: str = RayJobHook.default_conn_name,
         pending_timeout: float = 600.0,
         poll_interval: float = 5.0,
         max_poll_errors: int = 5,
@@ -134,6 +143,8 @@ class RayJobTrigger(BaseTrigger):
         self.entrypoint_num_cpus = entrypoint_num_cpus
         self.entrypoint_num_gpus = entrypoint_num_gpus
         self.entrypoint_resources = dict(entrypoint_resources or {})
+        self.cluster_needs = dict(cluster_needs or {})
+        self.conn_id = conn_id
         self.pending_timeout = float(pending_timeout)
         self.poll_interval = float(poll_interval)
         self.max_poll_errors = int(max_poll_errors)
@@ -148,6 +159,8 @@ class RayJobTrigger(BaseTrigger):
                 "entrypoint_num_cpus": self.entrypoint_num_cpus,
                 "entrypoint_num_gpus": self.entrypoint_num_gpus,
                 "entrypoint_resources": self.entrypoint_resources,
+                "cluster_needs": self.cluster_needs,
+                "conn_id": self.conn_id,
                 "pending_timeout": self.pending_timeout,
                 "poll_interval": self.poll_interval,
                 "max_poll_errors": self.max_poll_errors,
@@ -156,7 +169,7 @@ class RayJobTrigger(BaseTrigger):
         )
 
     def _hook(self) -> RayJobHook:
-        return RayJobHook(address=self.address)
+        return RayJobHook(conn_id=self.conn_id, address=self.address)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         hook = self._hook()
@@ -206,7 +219,7 @@ class RayJobTrigger(BaseTrigger):
 
     async def _watch(self, hook: RayJobHook) -> tuple[dict[str, Any], bool]:
         """Poll until the job ends; return the event and whether the job's driver ever started."""
-        errors, warned = 0, False
+        errors, warned, checked = 0, False, False
         while True:
             try:
                 info = await hook.ainfo(self.submission_id)
@@ -222,20 +235,24 @@ class RayJobTrigger(BaseTrigger):
             started = info.driver_agent_http_address is not None
             if info.status.is_terminal():
                 return self._event(str(info.status), info), started
-            if str(info.status) == "PENDING" and self._pending_for(info) >= self.pending_timeout:
-                missing = await self._missing(hook)
+            pending = str(info.status) == "PENDING"
+            if (pending or (self.cluster_needs and not checked)) \
+                    and self._pending_for(info) >= self.pending_timeout:
+                # A running driver already has its own reservation: only the needs are left.
+                missing = await self._missing(hook, self.request() if pending else self.cluster_needs)
                 if missing:
-                    return await self._stop_infeasible(hook, info, missing), False
-                if missing is None and not warned:
+                    return await self._stop_infeasible(hook, info, missing), started
+                checked = checked or (missing is None and not pending)
+                if missing is None and pending and not warned:
                     warned = True
                     self.log.warning("job %s pending for over %.0fs; it fits the cluster, so it "
                                      "waits", self.submission_id, self.pending_timeout)
             await asyncio.sleep(self.poll_interval)
 
-    async def _missing(self, hook: RayJobHook) -> str | None:
-        """What the cluster lacks for this job, ``None`` if it fits, ``""`` if unknown just now."""
+    async def _missing(self, hook: RayJobHook, request: dict[str, float]) -> str | None:
+        """What the cluster lacks for ``request``, ``None`` if it fits, ``""`` if unknown just now."""
         try:
-            return missing_resources(self.request(), await hook.anode_totals())
+            return missing_resources(request, await hook.anode_totals())
         except Exception as exc:
             self.log.warning("could not read the cluster's resources: %s", exc)
             return ""
@@ -244,7 +261,7 @@ class RayJobTrigger(BaseTrigger):
         # Ray keeps a job whose driver never started PENDING after a stop request (until
         # RAY_JOB_START_TIMEOUT_SECONDS, then FAILED); the request stays queued, so the job exits
         # at once should it ever start. Waiting for Ray's verdict would only hold the task.
-        reason = f"infeasible: the job can never start, {missing}"
+        reason = f"infeasible: the job can never run, {missing}"
         try:
             await hook.astop(self.submission_id)
             reason += "; stop requested"
@@ -259,9 +276,12 @@ class RayJobTrigger(BaseTrigger):
         return time.time() - info.start_time / 1000.0 if info.start_time else 0.0
 
     def request(self) -> dict[str, float]:
-        """The resources the job's entrypoint asked for, by Ray resource name."""
+        """What one node must hold to run the job: its entrypoint's reservation, by Ray resource
+        name, and at least its ``cluster_needs``."""
         request = {"CPU": self.entrypoint_num_cpus or 0, "GPU": self.entrypoint_num_gpus or 0}
         request.update(self.entrypoint_resources)
+        for name, amount in self.cluster_needs.items():
+            request[name] = max(float(request.get(name) or 0), float(amount or 0))
         return {k: float(v) for k, v in request.items() if v and float(v) > 0}
 
     async def _task_state(self) -> Any:

@@ -45,6 +45,8 @@ def embedded(state_dir: Path, matrix_base: Path, *, num_cpus: int = DEFAULT_NUM_
                       highlight=False)
         home = airflow_home.prepare(state_dir, ray_address=head.address)
         os.environ["RLK_MATRIX_ROOT"] = str(matrix_base)
+        # The tasks run in this process: the Ray hook reads the head's token from here.
+        os.environ["RAY_AUTH_TOKEN_PATH"] = head.token_file
         yield head, home
     finally:
         console.print(f"stopping the Ray head (pid {head.pid})", highlight=False)

@@ -7,6 +7,13 @@ Unix socket paths must stay under ~107 bytes), usage stats are off, and the head
 killing the processes it started, found from its pid, never with ``ray stop`` (which stops every
 Ray of this user on the machine).
 
+Ray's token authentication is on (``RAY_AUTH_MODE=token``): the Jobs API, the dashboard and the
+cluster's gRPC services refuse any caller without the token, so another user of the machine cannot
+run code as the head's owner through them. A new token is made at every start and kept in a file
+only its owner can read (``<state>/ray-auth-token``, else in the head's temp folder); the head and
+every job it runs find it through Ray's ``RAY_AUTH_TOKEN_PATH``, and a client sends it as
+``Authorization: Bearer <token>`` (``RayHead.headers``).
+
 ``start`` returns a ``RayHead``; ``RayHead.save``/``load`` keep it in a JSON file, so ``rlk down``
 can stop the head that ``rlk up`` started. A recorded pid is trusted only while the process with
 that pid has the recorded start time, so a pid reused by an unrelated process is never signalled.
@@ -17,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -27,7 +35,7 @@ from pathlib import Path
 
 import psutil
 
-from rl_engine.stack import pids
+from rl_engine.stack import pids, secret_file
 
 PORT_FLAGS = (
     "port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
@@ -37,6 +45,7 @@ PORT_FLAGS = (
 START_TIMEOUT_S = 120.0
 # Longest temp folder we hand to Ray: it appends session_<date>_<pid>/sockets/plasma_store.
 _MAX_TEMP_LEN = 40
+TOKEN_FILE = "ray-auth-token"
 
 
 class RayHeadError(RuntimeError):
@@ -77,7 +86,14 @@ class RayHead:
     pid: int
     create_time: float    # psutil's start time of ``pid``; guards against pid reuse
     num_cpus: int
+    token_file: str | None = None   # the cluster's token; None: a head without authentication
     owns_temp_dir: bool = True
+
+    def headers(self) -> dict[str, str]:
+        """What a Jobs API or dashboard client must send."""
+        if self.token_file is None:
+            return {}
+        return {"Authorization": f"Bearer {Path(self.token_file).read_text().strip()}"}
 
     @property
     def dashboard_port(self) -> int:
@@ -113,8 +129,10 @@ class RayHead:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
-def _env(extra: dict[str, str] | None) -> dict[str, str]:
+def _env(extra: dict[str, str] | None, token_file: Path) -> dict[str, str]:
     env = {**os.environ, **(extra or {}), "RAY_USAGE_STATS_ENABLED": "0",
+           # Ray reads RAY_AUTH_TOKEN before the file: a stray one must not replace ours.
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file),
            # Ray replaces --node-ip-address 127.0.0.1 by the machine's routable address and binds its
            # gRPC servers to every interface; this switch (Ray's single-machine mode, as on macOS)
            # keeps every address and listening socket on the loopback. The head is one machine.
@@ -123,6 +141,7 @@ def _env(extra: dict[str, str] | None) -> dict[str, str]:
     # the caller did not activate it.
     bin_dir = str(Path(sys.executable).parent)
     env["PATH"] = os.pathsep.join([bin_dir, env.get("PATH", "")])
+    env.pop("RAY_AUTH_TOKEN", None)
     return env
 
 
@@ -135,6 +154,8 @@ def start(*, state_dir: Path | None = None, num_cpus: int = 4, num_gpus: int = 0
     if num_cpus < 1 or num_gpus < 0:
         raise ValueError(f"num_cpus={num_cpus} must be >= 1 and num_gpus={num_gpus} >= 0")
     temp_dir, fresh = _temp_dir(state_dir)
+    token_file = (Path(state_dir).resolve() if state_dir is not None else temp_dir) / TOKEN_FILE
+    secret_file.write(token_file, secrets.token_hex(32) + "\n")
     ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS))))
     cmd = [
         str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
@@ -147,13 +168,13 @@ def start(*, state_dir: Path | None = None, num_cpus: int = 4, num_gpus: int = 0
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=_env(env))
+                                start_new_session=True, env=_env(env, token_file))
     head = RayHead(address=f"http://127.0.0.1:{ports['dashboard-port']}",
                    gcs_address=f"127.0.0.1:{ports['port']}", temp_dir=str(temp_dir), pid=proc.pid,
                    create_time=psutil.Process(proc.pid).create_time(), num_cpus=num_cpus,
-                   owns_temp_dir=fresh)
+                   token_file=str(token_file), owns_temp_dir=fresh)
     try:
-        _wait_ready(proc, head.address, log, timeout)
+        _wait_ready(proc, head.address, head.headers(), log, timeout)
     except BaseException:
         head.stop()
         proc.wait(timeout=10)
@@ -161,7 +182,8 @@ def start(*, state_dir: Path | None = None, num_cpus: int = 4, num_gpus: int = 0
     return head
 
 
-def _wait_ready(proc: subprocess.Popen, address: str, log: Path, timeout: float) -> None:
+def _wait_ready(proc: subprocess.Popen, address: str, headers: dict[str, str], log: Path,
+                timeout: float) -> None:
     """Until a trivial job runs to the end: the first job also waits for the job and runtime-env
     agents, which come up after the dashboard answers."""
     from ray.job_submission import JobSubmissionClient
@@ -172,7 +194,7 @@ def _wait_ready(proc: subprocess.Popen, address: str, log: Path, timeout: float)
         if proc.poll() is not None:
             raise RayHeadError(f"ray start exited with {proc.returncode}: {_tail(log)}")
         try:
-            client = JobSubmissionClient(address)
+            client = JobSubmissionClient(address, headers=headers)
             sid = client.submit_job(entrypoint="true")
             while not client.get_job_status(sid).is_terminal():
                 if time.monotonic() > deadline:

@@ -141,7 +141,9 @@ def up(state_dir: Path, matrix_base: Path, *, num_cpus: int = 4, num_gpus: int =
         airflow_home.activate(home)
         airflow_home.migrate_and_connect(head.address)
         bin_dir = str(Path(sys.executable).parent)
+        # RAY_AUTH_TOKEN_PATH: where the Ray hook of every Airflow process reads the head's token.
         env = {**os.environ, **home.env(), **rlk_env, "RAY_USAGE_STATS_ENABLED": "0",
+               "RAY_AUTH_TOKEN_PATH": head.token_file,
                "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "")])}
         started = {name: _start(name, env, logs, run) for name in SERVICES}
         _wait_api(home.api_url, started["api-server"], API_START_TIMEOUT_S)
@@ -153,7 +155,8 @@ def up(state_dir: Path, matrix_base: Path, *, num_cpus: int = 4, num_gpus: int =
         out(f"password:    {password}  (shown once; kept in {home.passwords_file}, mode 0600)")
     else:
         out(f"password:    unchanged, in {home.passwords_file}")
-    out(f"Ray dashboard: {head.address}   logs: {logs}   matrix roots: {matrix_base}")
+    out(f"Ray dashboard: {head.address}  (token in {head.token_file}, mode 0600)")
+    out(f"logs: {logs}   matrix roots: {matrix_base}")
     out("the rlk_matrix DAG is paused until you unpause it; `make down` stops everything")
     return 0
 

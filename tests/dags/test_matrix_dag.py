@@ -45,7 +45,7 @@ CHILD = textwrap.dedent('''
         from airflow.models.asset import AssetEvent, AssetModel
         from airflow.utils.session import create_session
 
-        client = JobSubmissionClient(head.address)
+        client = JobSubmissionClient(head.address, headers=head.headers())
         when = datetime.now(timezone.utc).replace(microsecond=0)
         run = demo.trigger(conf, when=when)
         seen["first"] = {"run_id": run.run_id, "state": str(run.state), "tasks": tasks(run),

@@ -30,14 +30,21 @@ if "AIRFLOW_HOME" not in os.environ:
 
 @pytest.fixture(scope="session")
 def ray_address() -> Iterator[str]:
-    """HTTP address of a fresh 2-CPU, GPU-less Ray head, killed at the end of the session."""
+    """HTTP address of a fresh 2-CPU, GPU-less Ray head, killed at the end of the session. It
+    requires its token, which the hook finds as a deployment gives it: Ray's RAY_AUTH_TOKEN_PATH."""
     from rl_engine.stack import ray_head
 
     head = ray_head.start(num_cpus=2, object_store_mb=100)
+    saved = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    os.environ["RAY_AUTH_TOKEN_PATH"] = head.token_file
     try:
         yield head.address
     finally:
         head.stop()
+        if saved is None:
+            os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+        else:
+            os.environ["RAY_AUTH_TOKEN_PATH"] = saved
 
 
 @pytest.fixture

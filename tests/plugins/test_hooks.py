@@ -7,7 +7,7 @@ import json
 import shlex
 
 import pytest
-from airflow.sdk.exceptions import AirflowNotFoundException
+from airflow.sdk.exceptions import AirflowException, AirflowNotFoundException
 
 from rlk_ray.hooks import RayJobHook
 
@@ -44,6 +44,35 @@ def test_missing_address_error_names_connection_and_variables(no_address):
         RayJobHook(conn_id="ray_missing").address
     text = str(err.value)
     assert "ray_missing" in text and "RAY_ADDRESS" in text and "RLK_RAY_ADDRESS" in text
+
+
+def test_token_from_connection_password_else_rays_variables(no_address, tmp_path):
+    for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        no_address.delenv(name, raising=False)
+    assert RayJobHook(address="http://h:1").headers() == {}
+    token_file = tmp_path / "token"
+    token_file.write_text("from-the-file\n")
+    no_address.setenv("RAY_AUTH_TOKEN_PATH", str(token_file))
+    assert RayJobHook(address="http://h:1").headers() == {"Authorization": "Bearer from-the-file"}
+    no_address.setenv("RAY_AUTH_TOKEN", "from-the-variable")
+    assert RayJobHook(address="http://h:1").auth_token() == "from-the-variable"
+    conn = {"conn_type": "http", "host": "ray-head", "port": 8265, "password": "from-the-connection"}
+    no_address.setenv("AIRFLOW_CONN_RAY_DEFAULT", json.dumps(conn))
+    assert RayJobHook(address="http://h:1").auth_token() == "from-the-connection"
+
+
+def test_unreadable_token_file_is_named(no_address, tmp_path):
+    no_address.delenv("RAY_AUTH_TOKEN", raising=False)
+    no_address.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "missing"))
+    with pytest.raises(AirflowException, match="RAY_AUTH_TOKEN_PATH=.*missing"):
+        RayJobHook(address="http://h:1").headers()
+
+
+def test_the_cluster_refuses_a_hook_without_its_token(ray_address, monkeypatch):
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH")
+    monkeypatch.delenv("AIRFLOW_CONN_RAY_DEFAULT", raising=False)
+    with pytest.raises(Exception, match="Unauthorized"):
+        RayJobHook(address=ray_address).submit("echo never", "hooks-no-token")
 
 
 def test_submit_with_runtime_env_then_status_and_logs(ray_connection, wait_status):

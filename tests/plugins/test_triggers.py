@@ -107,6 +107,21 @@ def test_job_asking_for_a_gpu_on_a_gpu_less_cluster_is_stopped(ray_address, wait
     assert str(hook.status(sid)) == "PENDING" and hook.logs(sid) == ""
 
 
+def test_running_job_whose_ranks_need_gpus_the_cluster_lacks_is_stopped(ray_address, wait_status):
+    # A driver that reserves nothing starts on the CPU head; its ranks (Ray actors) would wait
+    # for GPUs forever. The trigger checks what the job needs on one node and stops it.
+    hook = RayJobHook(address=ray_address)
+    sid = hook.submit("sleep 60", "trig-needs-gpus")
+    wait_status(hook, sid, {"RUNNING"})
+    trigger = RayJobTrigger(submission_id=sid, address=ray_address, cluster_needs={"GPU": 4},
+                            pending_timeout=0.5, poll_interval=0.3)
+    assert trigger.serialize()[1]["cluster_needs"] == {"GPU": 4}
+    (event,) = asyncio.run(asyncio.wait_for(collect(trigger), 30))
+    assert event["status"] == "STOPPED"
+    assert "infeasible" in event["reason"] and "GPU=4 (largest node has 0)" in event["reason"]
+    assert wait_status(hook, sid, TERMINAL, timeout=30) == "STOPPED"
+
+
 def test_queued_job_that_fits_is_left_waiting_past_pending_timeout(ray_address, wait_status):
     hook = RayJobHook(address=ray_address)
     blocker = hook.submit("sleep 60", "trig-blocker", entrypoint_num_cpus=2)

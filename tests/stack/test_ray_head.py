@@ -1,12 +1,13 @@
 """The embedded Ray head: free loopback ports, its own temp folder, stopped by the pids it started.
 
-One real head per module (about 10 s to start). A bystander process stands for everything else on
+One real head per module (about 10 s to start). The head requires Ray's token for every job call. A bystander process stands for everything else on
 the shared machine: stopping the head must leave it running.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import requests
 
 from rl_engine.stack import ray_head
 
@@ -62,14 +64,28 @@ def test_head_runs_jobs_on_loopback_and_stops_only_what_it_started(tmp_path, bys
         assert listening, "the head listens somewhere"
         assert all(ip in ("127.0.0.1", "::ffff:127.0.0.1") for ip, _ in listening), listening
 
+        # Ray's token authentication: the token is the owner's alone, and a submission without
+        # it, or with another one, is refused before anything runs.
+        token = Path(head.token_file)
+        assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(token.read_text().strip()) >= 32
+        jobs = f"{head.address}/api/jobs/"
+        attack = {"entrypoint": "touch " + str(tmp_path / "pwned")}
+        assert requests.post(jobs, json=attack, timeout=30).status_code == 401
+        wrong = {"Authorization": "Bearer " + "0" * 64}
+        assert requests.post(jobs, json=attack, headers=wrong, timeout=30).status_code == 403
+        assert requests.get(jobs, timeout=30).status_code == 401  # nor can it read the jobs
+        with pytest.raises(Exception, match="Unauthorized"):
+            JobSubmissionClient(head.address).submit_job(entrypoint=attack["entrypoint"])
+
         # Jobs inherit the head's environment, find this environment's executables, and report
         # no usage statistics.
-        client = JobSubmissionClient(head.address)
+        client = JobSubmissionClient(head.address, headers=head.headers())
         sid = client.submit_job(entrypoint=(
             "python -c \"import os, shutil; print(os.environ['RLK_TEST_MARK'], "
             "os.environ['RAY_USAGE_STATS_ENABLED'], shutil.which('rlk') is not None)\""))
         assert _wait_job(client, sid) == "SUCCEEDED"
         assert "from-the-head 0 True" in client.get_job_logs(sid)
+        assert not (tmp_path / "pwned").exists(), "an unauthenticated submission ran"
 
         # What `rlk down` sees after `rlk up` saved the head.
         head.save(tmp_path / "head.json")
