@@ -1,4 +1,5 @@
-"""`rlk trace gate`: check a run's traced kernel launches against its plan."""
+"""`rlk trace gate`: check a run's traced kernel launches against its plan, in all and inside each
+module's `rlk.<module>` ranges (rl_engine/trace/gate.py says what is required and forbidden)."""
 
 from __future__ import annotations
 
@@ -29,11 +30,15 @@ def gate_cmd(
     tp: int = typer.Option(1, help="tensor-parallel size of the traced layout: the all-reduce "
                                    "is required when tp > 1, the gradient sync's reduce-scatter "
                                    "when world-size / tp > 1"),
-    side: str = typer.Option("both", help="training, rollout or both: the sides the trace covers"),
+    side: str = typer.Option("both", help="training, rollout or both: the sides to judge; a file "
+                                          "named for another side (training-*, rollout-*) is "
+                                          "left out"),
     output: Path = typer.Option(None, help="where to write trace-gate.json"),
 ) -> int:
-    """Count launches by kernel family; exit 0 when the plan's families ran and none it forbids,
-    1 when they did not, 2 for an unreadable trace, 3 for a trace with no events."""
+    """Count launches by kernel family, in all and inside each module's ranges; exit 0 when the
+    plan's families ran and none it forbids (no production family inside the range of a module
+    that is R on that side, no rl_engine family inside that of a P one), 1 when they did not, 2
+    for an unreadable trace, 3 for a trace with no events or an R module with no range."""
     from rl_engine.artifacts import files
     from rl_engine.errors import BadInput
     from rl_engine.runtime.plan import SIDES
@@ -58,6 +63,14 @@ def gate_cmd(
     for c in report["checks"]:
         table.add_row(c["family"], c["want"], str(c["count"]), "ok" if c["ok"] else "FAIL")
     console.print(table)
+    ranged = Table(title="inside rlk.<module> ranges")
+    for col in ("module", "side", "plan", "ranges", "forbidden launches"):
+        ranged.add_column(col)
+    for row in report["modules"]:
+        ranged.add_row(row["module"], row["side"], row["impl"], str(row["ranges"]),
+                       ", ".join(f"{f} {n}" for f, n in row["forbidden"].items()) or "none")
+    if report["modules"]:
+        console.print(ranged)
     for p in report["problems"]:
         console.print(f"[red]problem[/] {p}", highlight=False)
     console.print(f"passed={report['passed']} events={report['events']}", highlight=False)
