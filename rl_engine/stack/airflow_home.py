@@ -10,6 +10,11 @@ which, like the password file, is readable by its owner only.
 Every port is a free one chosen here (the default 8080/8793/8794 may belong to another Airflow on a
 shared machine); the UI keeps its port across restarts while that port stays free. The API server
 listens on 127.0.0.1 only.
+
+The scheduler's LocalExecutor keeps up to ``[core] parallelism`` worker processes (about 130 MB
+each); Airflow's default of 32 is sized for a server, so here it is the number of cores this
+process may use (at least 2). A task that waits for a Ray job defers and frees its worker, so
+the cores, not the number of cells, are what bounds the work done here.
 """
 
 from __future__ import annotations
@@ -83,6 +88,15 @@ def _new_secrets() -> dict[tuple[str, str], str]:
     }
 
 
+def parallelism() -> int:
+    """Worker processes of the LocalExecutor: the usable cores (affinity, not the host's count)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        cores = os.cpu_count() or 1
+    return max(2, cores)
+
+
 def configure(state_dir: Path, *, repo_root: Path = REPO_ROOT, api_port: int | None = None) -> AirflowHome:
     """Write ``<state>/airflow/airflow.cfg`` and return the home; touches no database."""
     state_dir = Path(state_dir).resolve()
@@ -107,6 +121,7 @@ def configure(state_dir: Path, *, repo_root: Path = REPO_ROOT, api_port: int | N
         ("core", "plugins_folder"): str(plugins),
         ("core", "load_examples"): "False",
         ("core", "executor"): "LocalExecutor",
+        ("core", "parallelism"): str(parallelism()),
         ("core", "auth_manager"): SIMPLE_AUTH,
         ("core", "simple_auth_manager_users"): f"{ADMIN_USER}:admin",
         ("core", "simple_auth_manager_all_admins"): "False",

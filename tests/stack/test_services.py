@@ -58,6 +58,15 @@ def test_airflow_home_is_private_on_loopback_and_keeps_its_secrets_and_port(tmp_
     assert other.settings[("api_auth", "jwt_secret")] != s[("api_auth", "jwt_secret")]
 
 
+@pytest.mark.parametrize("cores, workers", [(range(2), "2"), (range(1), "2"), (range(12), "12")])
+def test_scheduler_parallelism_is_the_cores_this_process_may_use(tmp_path, monkeypatch, cores, workers):
+    # Airflow's default (32 LocalExecutor workers, about 4 GB) would swamp a 2-core machine.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cores))
+    home = airflow_home.configure(tmp_path / "state")
+    assert home.settings[("core", "parallelism")] == workers
+    assert home.env()["AIRFLOW__CORE__PARALLELISM"] == workers
+
+
 def test_admin_password_is_generated_once_and_readable_by_its_owner_only(tmp_path):
     home = airflow_home.configure(tmp_path / "state")
     password = services.ensure_password(home)
@@ -108,6 +117,11 @@ def test_up_serves_the_ui_on_loopback_with_a_generated_password_and_down_stops_e
         assert services.status(state) == {name: True for name in (*services.SERVICES, services.HEAD)}
         for name in services.SERVICES:
             recorded += services._load(state / "run" / f"{name}.json").processes()
+        token = state / "ray-auth-token"
+        assert f"token in {token}, mode 0600" in up.stdout and _mode(token) == 0o600
+        # The scheduler forks its LocalExecutor's workers at start: as many as the cores, not 32.
+        scheduler = services._load(state / "run" / "scheduler.json").processes()
+        assert len(scheduler) <= airflow_home.parallelism() + 4, [p.cmdline() for p in scheduler]
 
         assert _request(f"{url}/auth/token", {"username": "admin", "password": "admin"})[0] == 401
         code, body = _request(f"{url}/auth/token", {"username": "admin", "password": password})
