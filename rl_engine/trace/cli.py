@@ -71,6 +71,8 @@ def gate_cmd(
                        ", ".join(f"{f} {n}" for f, n in row["forbidden"].items()) or "none")
     if report["modules"]:
         console.print(ranged)
+    for note in report["notes"]:
+        console.print(f"note: {note}", highlight=False)
     for p in report["problems"]:
         console.print(f"[red]problem[/] {p}", highlight=False)
     console.print(f"passed={report['passed']} events={report['events']}", highlight=False)

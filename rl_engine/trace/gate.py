@@ -230,7 +230,7 @@ def requirements(plan: Plan, device: str, world_size: int,
     return must, forbidden, all_r and device == "cuda"
 
 
-def range_checks(counts: Counts, plan: Plan, device: str,
+def range_checks(counts: Counts, plan: Plan,
                  sides: tuple[str, ...]) -> tuple[list[dict[str, Any]], list[str], list[str]]:
     """(one row per module and side of the traces, problems, what makes the evidence incomplete).
 
@@ -293,7 +293,7 @@ def gate(counts: Counts, plan_name: str, *, device: str, world_size: int = 1,
                        "ok": reference_calls == 0})
     problems = [f"{c['family']}: {c['count']} launches, the plan needs {c['want']}"
                 for c in checks if not c["ok"]]
-    rows, range_problems, incomplete = range_checks(counts, plan, device, sides)
+    rows, range_problems, incomplete = range_checks(counts, plan, sides)
     problems = incomplete + problems + range_problems
     if counts.events == 0:
         problems.insert(0, "the trace holds no kernel or op events")
@@ -311,6 +311,9 @@ def gate(counts: Counts, plan_name: str, *, device: str, world_size: int = 1,
                                       if counts.outside[f]},
         "unattributed_kernels": counts.unattributed,
         "trace_files_left_out": counts.left_out,
+        "notes": [f"{sum(counts.whole_files.values())} Nsight Systems export(s): they hold no "
+                  "record_function ranges (torch writes them as NVTX only under emit_nvtx), so "
+                  "their kernels are counted as a whole, not by module"] if counts.whole_files else [],
         "problems": problems,
         "evidence_complete": complete, "passed": complete and not problems,
     }

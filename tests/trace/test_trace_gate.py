@@ -142,6 +142,8 @@ def test_nsys_export_all_r_needs_ipc_collectives_and_no_nccl(tmp_path):
     good = nsys_export.build(tmp_path / "good.sqlite", RLK + IPC + TORCH)
     report = verdict(good, "control", device="cuda", world=2)
     assert report["passed"], report["problems"]
+    # No record_function ranges in an export: nothing is judged by module, and the report says so.
+    assert report["modules"] == [] and "no record_function ranges" in report["notes"][0]
     assert report["counts"]["ipc_all_reduce"] == 3 and report["counts"]["attention_decode"] == 30
     with_nccl = nsys_export.build(tmp_path / "nccl.sqlite", RLK + IPC + NCCL)
     report = verdict(with_nccl, "control", device="cuda", world=2)
