@@ -46,9 +46,11 @@ def svg(rows: list[dict[str, Any]]) -> str:
     matrices: list[str] = []
     dates: dict[str, str] = {}
     for r in rows:
-        if r["matrix_id"] not in dates:
-            matrices.append(r["matrix_id"])
-            dates[r["matrix_id"]] = str(r.get("date") or "")
+        # Two matrices may share an id (a folder name); the history's key tells them apart.
+        key = r.get("matrix_key") or r["matrix_id"]
+        if key not in dates:
+            matrices.append(key)
+            dates[key] = str(r.get("date") or "")
     if not matrices:
         return '<p class="muted">No history to plot yet.</p>'
     cells = sorted({r["cell"] for r in rows}, key=lambda c: (CELLS.index(c) if c in CELLS else 99, c))
@@ -77,7 +79,7 @@ def svg(rows: list[dict[str, Any]]) -> str:
                        'stroke="#eee"/>')
             out.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{e(_fmt(mark))}</text>')
         for cell in cells:
-            points = [(x_of[r["matrix_id"]], y_of(float(r[key])), r) for r in rows
+            points = [(x_of[r.get("matrix_key") or r["matrix_id"]], y_of(float(r[key])), r) for r in rows
                       if r["cell"] == cell and isinstance(r.get(key), (int, float))]
             colour = _colour(cell)
             if len(points) > 1:

@@ -17,7 +17,7 @@ nav a{margin-right:1.2em}table{border-collapse:collapse;margin:.4em 0}
 th,td{border:1px solid #ccc;padding:.25em .6em;text-align:left;vertical-align:top}
 th{background:#f2f2f2}td.num{text-align:right;font-variant-numeric:tabular-nums}
 .yes{color:#17692b;font-weight:600}.no{color:#b3261e;font-weight:600}
-.muted{color:#666}.reasons{font-size:.9em;color:#555;max-width:42em}
+.muted{color:#666}.pending{color:#8a5a00;font-weight:600}.reasons{font-size:.9em;color:#555;max-width:42em}
 """
 
 
@@ -30,6 +30,36 @@ def yes_no(flag: Any) -> str:
     if flag is None:
         return '<span class="muted">-</span>'
     return f'<span class="{"yes" if flag else "no"}">{"yes" if flag else "no"}</span>'
+
+
+STATES = ("passed", "failed", "pending")
+
+
+def cell_state(cell: dict[str, Any]) -> str:
+    """passed, failed or pending (no finished attempt yet, the matrix still running). Reports
+    written before cells carried ``state`` knew no pending: there it follows ``passed``."""
+    state = cell.get("state")
+    if state in STATES:
+        return state
+    return "passed" if cell.get("passed") else "failed"
+
+
+def matrix_state(cells: list[dict[str, Any]], verdict: dict[str, Any]) -> str:
+    """A matrix with a failed cell has failed, even while others run; one with pending cells and
+    no failed one is pending; else the verdict says."""
+    states = [cell_state(c) for c in cells]
+    if "failed" in states:
+        return "failed"
+    if "pending" in states:
+        return "pending"
+    return "passed" if verdict.get("passed") else "failed"
+
+
+def state_mark(state: str) -> str:
+    """The verdict in a yes/no column: pending is neither."""
+    if state == "pending":
+        return '<span class="pending">pending</span>'
+    return yes_no(state == "passed")
 
 
 def number(value: Any, fmt: str = "{}") -> str:
@@ -87,10 +117,13 @@ def report_list(entries: list[dict[str, Any]], prefix: str, base: str) -> str:
             rows.append([td(link), td(f'<span class="no">unreadable</span>: {e(entry["error"])}'),
                          td("-"), td("-"), td("-")])
             continue
-        passed = sum(bool(c.get("passed")) for c in cells)
-        rows.append([td(link), td(yes_no(verdict.get("passed"))),
-                     td(f"{passed}/{len(cells)}", "num"), td(e(report.get("generated_at"))),
-                     td(e(", ".join(verdict.get("failed_cells") or [])) or "-")])
+        states = [cell_state(c) for c in cells]
+        pending = states.count("pending")
+        counted = f"{states.count('passed')}/{len(cells)}" + (f", {pending} pending" if pending else "")
+        failed = [c.get("cell") for c, state in zip(cells, states) if state == "failed"]
+        rows.append([td(link), td(state_mark(matrix_state(cells, verdict))),
+                     td(e(counted), "num"), td(e(report.get("generated_at"))),
+                     td(e(", ".join(str(f) for f in failed)) or "-")])
     return (f'<p class="muted">Matrix roots under <code>{e(base)}</code>, newest first.</p>'
             + table(("matrix", "passed", "cells passed", "generated", "failed cells"), rows))
 
@@ -98,16 +131,18 @@ def report_list(entries: list[dict[str, Any]], prefix: str, base: str) -> str:
 def report_page(report: dict[str, Any], links: dict[str, str | None], run_id: str | None) -> str:
     """One report: the verdict, one row per cell (its latest attempt), the attribution."""
     v = report.get("verdict") or {}
+    cells = report.get("cells") or []
     parts = [
         "<p>"
-        f"matrix <code>{e(report.get('matrix_id'))}</code>; passed {yes_no(v.get('passed'))}, "
+        f"matrix <code>{e(report.get('matrix_id'))}</code>; passed {state_mark(matrix_state(cells, v))}, "
         f"evidence complete {yes_no(v.get('evidence_complete'))}, "
         f"control bitwise {yes_no(v.get('bitwise'))}; generated {e(report.get('generated_at'))}; "
         f"DAG run {('<code>' + e(run_id) + '</code>') if run_id else '<span class=muted>unknown</span>'}"
         "</p>"]
     rows, ids = [], []
-    for cell in report.get("cells") or []:
+    for cell in cells:
         latest = cell.get("latest") or {}
+        state = cell_state(cell)
         name = cell.get("cell")
         plan = " ".join(str(latest.get(f"plan_{m}") or "?") for m in ("attention", "ffn", "logp"))
         link = links.get(name)
@@ -115,10 +150,14 @@ def report_page(report: dict[str, Any], links: dict[str, str | None], run_id: st
         reasons = cell.get("reasons") or []
         shown = "; ".join(str(r) for r in reasons[:3]) + (" ..." if len(reasons) > 3 else "")
         ids.append(f"cell-{name}")
+        # A pending cell has no verdict and no figures yet: not "no" or 0, just not known.
+        done = state != "pending"
         rows.append([
-            td(e(name)), td(e(plan)), td(yes_no(cell.get("passed"))), td(yes_no(cell.get("bitwise"))),
-            td(yes_no(cell.get("evidence_complete"))), td(number(latest.get("mismatch_count")), "num"),
-            td(number(latest.get("max_abs_diff"), "{:.3g}"), "num"),
+            td(e(name)), td(e(plan)), td(state_mark(state)),
+            td(yes_no(cell.get("bitwise") if done else None)),
+            td(yes_no(cell.get("evidence_complete") if done else None)),
+            td(number(latest.get("mismatch_count") if done else None), "num"),
+            td(number(latest.get("max_abs_diff") if done else None, "{:.3g}"), "num"),
             td(duration(latest.get("duration_s")), "num"), td(e(latest.get("attempt_id") or "-")),
             td(str(len(cell.get("attempts") or [])), "num"), td(log), td(e(shown), "reasons")])
     parts.append(table(("cell", "plan (attention ffn logp)", "passed", "bitwise", "evidence",

@@ -27,7 +27,9 @@ from rlk_ui import app as ui  # noqa: E402
 from rlk_ui import history_plot  # noqa: E402
 
 from rl_engine.artifacts import files, ids  # noqa: E402
-from rl_engine.matrix import analyze, evidence, history, runner, tables  # noqa: E402
+from rl_engine.evidence import records
+from rl_engine.evidence.layout import MatrixRoot, RunDir
+from rl_engine.matrix import analyze, history, runner, tables  # noqa: E402
 from rl_engine.runtime.plan import cell_plan  # noqa: E402
 from rl_engine.step.config import StepConfig  # noqa: E402
 
@@ -48,7 +50,7 @@ def add_attempt(root: Path, cell: str, trainer_from: int | None, seconds: int) -
     mid = analyze.matrix_id(root)
     case = runner.case_env(mid, cell, attempt, "ci", CONFIG)
     case["STARTED_AT"] = T0.strftime("%Y-%m-%dT%H:%M:%SZ")
-    evidence.write_case_env(folder / evidence.CASE_ENV, case)
+    records.write_case_env(RunDir(folder), case)
     rollout = fake_run.logprobs(S, L, seed=len(cell))
     trainer = rollout if trainer_from is None else fake_run.perturbed(rollout, trainer_from)
     fake_run.write_run(folder, run_id=analyze.run_id_of(mid, cell, attempt), plan=cell_plan(cell),
@@ -60,7 +62,7 @@ def add_attempt(root: Path, cell: str, trainer_from: int | None, seconds: int) -
 def build(base: Path, run_id: str = RUN_ID, day: int = 30) -> dict:
     root = base / ids.sanitize(run_id)
     created = T0.replace(day=day).strftime("%Y-%m-%dT%H:%M:%SZ")
-    files.write_json(root / analyze.MATRIX_FILE, {"matrix_id": root.name, "created_at": created})
+    files.write_json(MatrixRoot(root).matrix_file, {"matrix_id": root.name, "created_at": created})
     for cell, start, seconds in zip(CELLS, (None, 3, 10), (95, 61, 7)):
         add_attempt(root, cell, start, seconds)
     report = analyze.write_report(root, cells=list(CELLS))
@@ -141,7 +143,7 @@ def test_report_table_shows_each_cells_values_and_its_task_log(base):
     page = client(base, ref).get(f"/reports/{name}")
     assert page.status_code == 200
     rows = table_rows(page.text)
-    parquet = {r["cell"]: r for r in tables.read(base / name / tables.CELLS) if r["latest"]}
+    parquet = {r["cell"]: r for r in tables.read(MatrixRoot.tables_beside(MatrixRoot(base / name).report)[0]) if r["latest"]}
     assert set(parquet) == set(CELLS)
     run = "/dags/rlk_matrix/runs/scheduled__2026-11-30T02%3A00%3A00%2B00%3A00/tasks"
     expected = {"control": (95, "1 min 35 s", f"{run}/control"),
@@ -260,3 +262,67 @@ def test_airflow_loads_exactly_one_plugin_with_a_valid_app_and_view():
     assert app["url_prefix"] == "/rlk" and not app["url_prefix"].startswith(tuple(RESERVED_URL_PREFIXES))
     (view,) = ours[0].external_views
     assert ExternalViewResponse(**view).href == "rlk/"
+
+
+def _running(base: Path, tmp_path: Path, name: str = "running") -> Path:
+    """The report of a matrix still running: the analyzer marks cells with no finished attempt
+    pending (here the last one), their figures unknown."""
+    report = json.loads((base / ids.sanitize(RUN_ID) / ui.REPORT).read_text())
+    for cell in report["cells"]:
+        cell["state"] = "passed" if cell["passed"] else "failed"
+    pending = report["cells"][-1]
+    pending.update(state="pending", passed=False, evidence_complete=False, bitwise=False)
+    pending["latest"].update(attempt_id=None, mismatch_count=0, max_abs_diff=0.0, duration_s=None)
+    report["verdict"].update(passed=False, failed_cells=[pending["cell"]])
+    files.write_text(tmp_path / name / ui.REPORT, json.dumps(report))
+    return tmp_path
+
+
+def test_a_running_matrix_shows_its_pending_cells_as_pending_not_failed(base, tmp_path):
+    running = _running(base, tmp_path)
+    page = client(running).get("/reports/running")
+    rows = table_rows(page.text)
+    assert [text for text, _ in rows["cell-logp-PR"][2:7]] == ["pending", "-", "-", "-", "-"]
+    assert [text for text, _ in rows["cell-control"][2:5]] == ["yes", "yes", "yes"]
+    assert 'passed <span class="pending">pending</span>' in page.text
+    index = client(running).get("/").text
+    cells = [c for c in index.split("<tr>") if "/reports/running" in c][0]
+    assert "pending" in cells and "2/3, 1 pending" in cells and ">no<" not in cells
+    assert "logp-PR" not in cells  # not listed among the failed cells
+
+
+def test_a_failed_cell_fails_the_matrix_while_others_are_pending(base, tmp_path):
+    running = _running(base, tmp_path)
+    report = json.loads((running / "running" / ui.REPORT).read_text())
+    report["cells"][1].update(state="failed", passed=False)
+    files.write_text(running / "running" / ui.REPORT, json.dumps(report))
+    index = client(running).get("/").text
+    row = [c for c in index.split("<tr>") if "/reports/running" in c][0]
+    assert ">no<" in row and "1/3, 1 pending" in row and "attention-PP" in row
+
+
+def test_an_older_report_without_state_reads_its_verdict_from_passed(base):
+    report = json.loads((base / ids.sanitize(RUN_ID) / ui.REPORT).read_text())
+    for cell in report["cells"]:
+        cell.pop("state", None)
+    report["cells"][1]["passed"] = False
+    folder = base.parent / "older-report"
+    files.write_text(folder / "older" / ui.REPORT, json.dumps(report))
+    rows = table_rows(client(folder).get("/reports/older").text)
+    assert [rows[f"cell-{c}"][2][0] for c in CELLS] == ["yes", "no", "yes"]
+
+
+def test_two_matrix_roots_of_one_folder_name_stay_two_matrices_in_the_history(tmp_path):
+    # /a/nightly and /b/nightly: one name, two matrices; appending one again replaces only it.
+    history_root = tmp_path / "history"
+    for parent in ("a", "b"):
+        report = build(tmp_path / parent)
+        history.append(report, history_root)
+    history.append(report, history_root)
+    rows = history.read(history_root)
+    summary = history.summarize(rows)
+    assert len(summary) == 2 and len(rows) == 2 * len(CELLS)
+    assert len({s["matrix_key"] for s in summary}) == 2
+    assert {s["matrix_id"] for s in summary} == {ids.sanitize(RUN_ID)}
+    svg = history_plot.svg(rows)
+    assert svg.count("<polyline") == len(CELLS) * 2 and svg.count("<circle") == 2 * len(CELLS) * 2
