@@ -261,6 +261,9 @@ def main():
     ap.add_argument("--out", type=Path, default=RESULT)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
+    ap.add_argument("--commit", help="the commit this tree is, where the checkout's own git history is "
+                    "not the tree's (a copy of it): recorded in place of git's answer")
+    ap.add_argument("--dirty", choices=("0", "1"), help="with --commit: whether tracked files differ from it")
     ap.add_argument("--sections", default=",".join(SECTIONS), help="which of gemm, memory, logp to run")
     args = ap.parse_args()
     sections = args.sections.split(",")
@@ -272,7 +275,11 @@ def main():
     for _ in range(200):  # ~1 s of matrix work first: clocks up before anything is timed
         x @ x
     copy = copy_tbs(args.repeats)
-    result = dict(schema_version=SCHEMA_VERSION, source=source_state(), device=torch.cuda.get_device_name(),
+    source = source_state()
+    if args.commit is not None:
+        source = dict(commit=args.commit, dirty=None if args.dirty is None else args.dirty == "1",
+                      changed_files=None)
+    result = dict(schema_version=SCHEMA_VERSION, source=source, device=torch.cuda.get_device_name(),
                   torch=torch.__version__, cuda=torch.version.cuda, build=json.loads(ops.build_info()),
                   ratio="median production time / median rl_engine time (above 1: rl_engine faster)",
                   copy_tbs=copy, datasheet_tbs=DATASHEET_TBS)

@@ -31,18 +31,23 @@ namespace gemm_cfg {
 constexpr int kBK = 64;  // one K block: 64 16-bit values, one 128-byte swizzled row per tile row
 constexpr int kRowBytes = kBK * 2;
 constexpr int kMaxStages = 16;
-constexpr int kRingBytes = 208 * 1024;
+constexpr int kSmPerSmem = 233472;  // shared memory of one SM, 1 KB of it reserved per resident CTA
 // wgmma reads 64 rows of A per consumer; where A's box is shorter (M < 64), the rows past it come
 // from whatever follows in shared memory and only reach output rows that are never stored.
 constexpr int kSlackBytes = 64 * kRowBytes;
-constexpr int kSmemBytes = kRingBytes + kSlackBytes + 2 * kMaxStages * 8 + 1024;  // + barriers, alignment
+constexpr int kOverhead = kSlackBytes + 2 * kMaxStages * 8 + 1024;  // + barriers, alignment
+// Resident CTAs per SM of a one-warpgroup tile (registers allow 4 below 64 columns): at small M a
+// row's K chain is a sequence of dependent wgmma, so an SM runs several tiles' chains at once.
+__host__ __device__ constexpr int gemm_max_occupancy(int consumers, int bn) {
+  return consumers == 2 ? 1 : bn >= 64 ? 2 : 4;
+}
 constexpr int kGroupM = 16;  // tile order: 16 row blocks per band, for L2 reuse of B
 }  // namespace gemm_cfg
 
 // Shared-memory ring of one launch: each stage holds gemm_subs(bn) K blocks of A (a_rows rows each)
 // then as many of B (bn rows each), every block 1024-byte aligned as the 128-byte swizzle needs.
 struct GemmRing {
-  int a_rows, stages;
+  int a_rows, stages, occupancy;  // occupancy: resident CTAs per SM the ring is sized for
   uint32_t a_bytes, b_bytes, stage_bytes;  // one K block of A, of B; one stage
 };
 
@@ -69,7 +74,7 @@ __device__ __forceinline__ void gemm_tile_coords(int tile, int m_blocks, int n_b
 // Fragment layout of one consumer (m64nBN fp32): thread t of the warpgroup holds, for each 8-column
 // block j, acc[4j + 2h + e] = C[row0 + 16 (t / 32) + (t % 32) / 4 + 8h, col0 + 8j + 2 (t % 4) + e].
 template <int kConsumers, int kBN, bool kHalf, typename Epi>
-__global__ void __launch_bounds__(128 * (1 + kConsumers), 1)
+__global__ void __launch_bounds__(128 * (1 + kConsumers), gemm_cfg::gemm_max_occupancy(kConsumers, kBN))
     rlk_det_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                              const __grid_constant__ CUtensorMap map_b, int m, int n, int k,
                              const GemmRing ring, const Epi epi) {
@@ -77,7 +82,7 @@ __global__ void __launch_bounds__(128 * (1 + kConsumers), 1)
   constexpr int kBM = 64 * kConsumers, kSubs = gemm_subs(kBN);
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t base = (ptx::smem_u32(smem_raw) + 1023u) & ~1023u;
-  const uint32_t bars = base + kRingBytes + kSlackBytes;
+  const uint32_t bars = base + ring.stages * ring.stage_bytes + kSlackBytes;
   auto full = [&](uint32_t s) { return bars + 8u * s; };
   auto empty = [&](uint32_t s) { return bars + 8u * (kMaxStages + s); };
 
@@ -96,7 +101,7 @@ __global__ void __launch_bounds__(128 * (1 + kConsumers), 1)
   const uint32_t b_off = kSubs * ring.a_bytes;
 
   if (wg == 0) {
-    ptx::setmaxnreg_dec<24>();
+    if constexpr (kConsumers == 2) ptx::setmaxnreg_dec<24>();
     if (tid != 0) return;
     int s = 0;
     uint32_t phase = 0;
@@ -117,7 +122,7 @@ __global__ void __launch_bounds__(128 * (1 + kConsumers), 1)
     return;
   }
 
-  ptx::setmaxnreg_inc<240>();
+  if constexpr (kConsumers == 2) ptx::setmaxnreg_inc<240>();  // one warpgroup fits as compiled
   const int c = wg - 1;
   float acc[kBN / 2];
   int s = 0;
@@ -294,23 +299,45 @@ struct GemmTile {
   int consumers, bn;
 };
 
+inline GemmRing gemm_ring(GemmTile t, int m);
+
 // The one tile choice of det_gemm (forward and both backward products). It may look at M, N and the
 // SM count because the tile never changes a row's bits (see the top of this file); K is not looked
-// at. Rows: one 64-row warpgroup up to M = 64, two above. Columns: the widest of the tile widths
-// whose tiles keep at least 80% of the SMs busy in every wave of the persistent grid, else the
-// narrowest. At M <= 128 this spreads B's rows over every SM (B is the bytes to move); at large M it
-// keeps the 128 x 256 tile, whose operands are re-read least.
+// at. Above M = 64: 128-row tiles, the widest of 256, 128, 64, 32 columns whose tiles keep at least
+// 80% of the SMs busy in every wave of the persistent grid. Up to M = 64 (decode), 64-row tiles, and
+// the time is the longest of three, estimated per K element for each width: a row's chain of
+// dependent k16 steps, waves of resident CTAs x (48 + bn / 2) cycles / 16 (narrow steps are shorter;
+// resident CTAs run their chains side by side); moving A and B from L2, tiles per SM x (A rows + bn)
+// x 2 bytes at 64 bytes per cycle; and B from memory, N x 2 bytes over the busy SMs at 32 bytes per
+// cycle each. The cheapest wins, the wider on a tie.
 inline GemmTile choose_gemm_tile(int m, int n, int num_sms) {
   static constexpr int kOne[] = {64, 32, 16, 8}, kTwo[] = {256, 128, 64, 32};
-  const int consumers = m <= 64 ? 1 : 2;
-  const int* widths = consumers == 1 ? kOne : kTwo;
-  const int m_blocks = (m + 64 * consumers - 1) / (64 * consumers);
-  for (int i = 0; i < 4; ++i) {
-    const int64_t tiles = static_cast<int64_t>(m_blocks) * ((n + widths[i] - 1) / widths[i]);
-    const int64_t waves = (tiles + num_sms - 1) / num_sms;
-    if (10 * tiles >= 8 * waves * num_sms) return {consumers, widths[i]};
+  if (m > 64) {
+    const int64_t m_blocks = (m + 127) / 128;
+    for (int bn : kTwo) {
+      const int64_t tiles = m_blocks * ((n + bn - 1) / bn), waves = (tiles + num_sms - 1) / num_sms;
+      if (10 * tiles >= 8 * waves * num_sms) return {2, bn};
+    }
+    return {2, kTwo[3]};
   }
-  return {consumers, widths[3]};
+  GemmTile best{1, kOne[0]};
+  double best_cost = 1e30;
+  for (int bn : kOne) {
+    const GemmTile t{1, bn};
+    const GemmRing r = gemm_ring(t, m);
+    const int64_t tiles = (n + bn - 1) / bn, slots = static_cast<int64_t>(r.occupancy) * num_sms;
+    const double chain = static_cast<double>((tiles + slots - 1) / slots) * (48 + bn / 2) / 16;
+    const double l2 = static_cast<double>((tiles + num_sms - 1) / num_sms) * (r.a_rows + bn) * 2 / 64;
+    const double hbm = 2.0 * n / (32.0 * (tiles < num_sms ? tiles : num_sms));
+    const double cost = chain > l2 ? (chain > hbm ? chain : hbm) : (l2 > hbm ? l2 : hbm);
+    if (cost < best_cost) best_cost = cost, best = t;
+  }
+  return best;
+}
+
+// Shared memory for the stages of one CTA when `occupancy` CTAs share an SM.
+inline int gemm_ring_bytes(int occupancy) {
+  return gemm_cfg::kSmPerSmem / occupancy - 1024 - gemm_cfg::kOverhead;
 }
 
 // The ring for a tile: A's box holds only the rows that exist (M rounded up to 8) when M is below
@@ -323,8 +350,12 @@ inline GemmRing gemm_ring(GemmTile t, int m) {
   r.a_bytes = static_cast<uint32_t>(r.a_rows * kRowBytes);
   r.b_bytes = static_cast<uint32_t>(t.bn * kRowBytes);
   r.stage_bytes = gemm_subs(t.bn) * (r.a_bytes + r.b_bytes);
-  const int fit = static_cast<int>(kRingBytes / r.stage_bytes);
-  r.stages = fit < kMaxStages ? fit : kMaxStages;
+  // The most resident CTAs that still leave each a ring of 4 stages (one where nothing else fits).
+  for (r.occupancy = gemm_cfg::gemm_max_occupancy(t.consumers, t.bn);; r.occupancy /= 2) {
+    const int fit = static_cast<int>(gemm_ring_bytes(r.occupancy) / r.stage_bytes);
+    r.stages = fit < kMaxStages ? fit : kMaxStages;
+    if (r.stages >= 4 || r.occupancy == 1) break;
+  }
   return r;
 }
 
@@ -341,11 +372,12 @@ cudaError_t launch_det_gemm_tile(const GemmOperands& op, const Epi& epi, int num
   if (e != cudaSuccess) return e;
   auto kernel = op.dtype == DType::kF16 ? rlk_det_gemm_sm90_kernel<kConsumers, kBN, true, Epi>
                                         : rlk_det_gemm_sm90_kernel<kConsumers, kBN, false, Epi>;
-  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  const int smem = ring.stages * static_cast<int>(ring.stage_bytes) + kOverhead;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   const int tiles = ((op.m + kBM - 1) / kBM) * ((op.n + kBN - 1) / kBN);
-  const int grid = tiles < num_sms ? tiles : num_sms;
-  kernel<<<grid, 128 * (1 + kConsumers), kSmemBytes, stream>>>(map_a, map_b, op.m, op.n, op.k, ring, epi);
+  const int grid = tiles < ring.occupancy * num_sms ? tiles : ring.occupancy * num_sms;
+  kernel<<<grid, 128 * (1 + kConsumers), smem, stream>>>(map_a, map_b, op.m, op.n, op.k, ring, epi);
   return cudaGetLastError();
 }
 
