@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from rl_engine.artifacts import files, ids, provenance
-from rl_engine.artifacts import run_dir as run_dirs
+from rl_engine.evidence import layout as run_dirs
 from rl_engine.models.generate import init_model
 from rl_engine.runtime.plan import Plan
 from rl_engine.step import inputs as step_inputs

@@ -79,7 +79,7 @@ def params() -> dict[str, Param]:
         "prompt_data": Param(None, type=["null", "string"], pattern=_ABSOLUTE, title="Prompts",
                              description="absolute path of a JSONL prompt file; needs an input manifest"),
         "input_manifest": Param(None, type=["null", "string"], pattern=_ABSOLUTE, title="Input manifest",
-                                description="manifest.json or sha256sum file the inputs must match"),
+                                description="a run's manifest or a sha256sum file the inputs must match"),
         "device": Param("cpu", type="string", enum=["cpu", "cuda"], title="Device"),
         "steps": Param(1, type="integer", minimum=1, maximum=16, title="Post-training steps per run"),
         "build": Param("install", type="string", enum=["install", "verify"], title="Build",

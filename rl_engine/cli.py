@@ -50,7 +50,7 @@ def run(
     chat_template: bool = typer.Option(False, help="apply the tokenizer's chat template"),
     run_id: str = typer.Option(None, help="run id (RL_KERNEL_RUN_ID)"),
     artifact_dir: Path = typer.Option(None, help="the run directory (RL_KERNEL_ARTIFACT_DIR)"),
-    verify_inputs: Path = typer.Option(None, help="manifest.json or sha256sum file the inputs must match"),
+    verify_inputs: Path = typer.Option(None, help="a run's manifest or a sha256sum file the inputs must match"),
     trace: bool = typer.Option(False, help="record a torch.profiler trace into trace/"),
     seed: int = typer.Option(0),
     device: str = typer.Option("cpu", help="cpu or cuda"),
@@ -79,38 +79,28 @@ def run(
 
 @app.command("validate")
 def validate_cmd(
-    readback_dir: Path = typer.Option(..., help="the run's readbacks/ folder"),
-    train_data_dir: Path = typer.Option(..., help="the run's train-data/ folder"),
-    output: Path = typer.Option(..., help="where to write bitwise-validation.json"),
+    run_dir: Path = typer.Argument(..., help="the run directory `rlk run` wrote"),
+    output: Path = typer.Option(None, help="also write the verdict JSON here"),
     require_bitwise: bool = typer.Option(False, help="bitwise equality required (CI_TEST=1 sets it)"),
     run_id: str = typer.Option(None, help="the run id every record must carry (default: the manifest's)"),
 ) -> int:
-    """Check a run's evidence: complete, of this run id, and bitwise equal where required."""
-    import json
-
+    """Judge a run's evidence: complete, of this run and commit, and bitwise equal where required."""
     from rl_engine import envs
-    from rl_engine.artifacts import files
-    from rl_engine.runtime.plan import Plan
-    from rl_engine.validation.validate import exit_code, validate
+    from rl_engine.validation.validate import validate
 
-    plan = numel = None
-    man = Path(readback_dir).parent / "manifest.json"
-    if man.exists():
-        data = json.loads(man.read_text())
-        run_id = run_id or data.get("run_id")
-        plan = Plan(**data["plan"])
-        layout = data.get("layout", {})
-        numel = layout.get("numel_per_step", 0) * layout.get("steps", 1) or None
-    report = validate(readback_dir, train_data_dir, run_id=run_id, plan=plan, expected_numel=numel,
-                      require_bitwise=require_bitwise or envs.CI_TEST)
-    files.write_json(output, report)
-    for problem in report["problems"]:
+    verdict = validate(run_dir, run_id=run_id, require_bitwise=require_bitwise or envs.CI_TEST,
+                       output=output)
+    for problem in verdict.problems:
         console.print(f"[red]problem[/] {problem}", highlight=False)
-    console.print(f"passed={report['passed']} evidence_complete={report['evidence_complete']} "
-                  f"bitwise={report['bitwise']} bitwise_required={report['bitwise_required']} "
-                  f"numel={report['numel']} mismatch_count={report['mismatch_count']} "
-                  f"max_abs_diff={report['max_abs_diff']}", highlight=False)
-    return exit_code(report)
+    for fb in verdict.fallbacks:
+        console.print(f"[red]fallback[/] {fb['side']} {fb['module']} rank {fb['rank']}: {fb['reason']}",
+                      highlight=False)
+    console.print(f"passed={verdict.passed} evidence_complete={verdict.evidence_complete} "
+                  f"bitwise={verdict.bitwise} bitwise_required={verdict.bitwise_required} "
+                  f"numel={verdict.numel} mismatch_count={verdict.mismatch_count} "
+                  f"nonfinite_count={verdict.nonfinite_count} max_abs_diff={verdict.max_abs_diff}",
+                  highlight=False)
+    return verdict.exit_code
 
 
 manifest_app = typer.Typer(no_args_is_help=True, help="Record and check input hashes.")
@@ -118,7 +108,7 @@ app.add_typer(manifest_app, name="manifest")
 
 
 @manifest_app.command("verify")
-def manifest_verify(file: Path = typer.Argument(..., help="manifest.json or a sha256sum-format file")) -> int:
+def manifest_verify(file: Path = typer.Argument(..., help="a run's manifest or a sha256sum-format file")) -> int:
     """Check every input file against its recorded sha256; exit 2 naming the first difference."""
     from rl_engine.artifacts import manifest
 

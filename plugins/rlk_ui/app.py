@@ -27,11 +27,12 @@ from urllib.parse import quote
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse
 
+from rl_engine.evidence.layout import MatrixRoot
 from rlk_ui import history_plot, render
 
 DAG_ID = "rlk_matrix"
 CELL_TASK, CONTROL_TASK = "cell", "control"
-REPORT = "matrix-report.json"
+REPORT = MatrixRoot(Path(".")).report.name
 HISTORY = "history"
 TOKEN_COOKIE = "_token"  # Airflow's own session cookie (airflow.api_fastapi.auth.managers)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")

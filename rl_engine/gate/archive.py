@@ -17,6 +17,7 @@ from rl_engine import errors
 from rl_engine.artifacts import files
 from rl_engine.errors import BadInput
 from rl_engine.gate import RUN_STEPS, STEPS
+from rl_engine.evidence.layout import MatrixRoot, RunDir
 from rl_engine.gate.steps import Result, fail, ok
 
 ARCHIVE = "gate-archive.json"
@@ -31,25 +32,27 @@ def _read(path: Path) -> dict[str, Any] | None:
 
 def _matrix_result(root: Path) -> dict[str, Any] | None:
     """The matrix step's result from a matrix root's report (the DAG runs the matrix as a DAG)."""
-    report = _read(root / "matrix-report.json")
+    path = MatrixRoot(root).report
+    report = _read(path)
     if report is None:
         return None
     v = report["verdict"]
     return {"step": "matrix", "passed": bool(v["passed"]), "exit_code": v["exit_code"],
             "reason": "" if v["passed"] else (f"matrix verdict failed: failed cells {v.get('failed_cells')}"
                                               f", incomplete {v.get('incomplete_cells')}"),
-            "details": {"matrix_root": str(root), "verdict": v}, "source": str(root / "matrix-report.json")}
+            "details": {"matrix_root": str(root), "verdict": v}, "source": str(path)}
 
 
 def _manifests(gate_dir: Path, matrix_roots: Sequence[Path]) -> dict[str, dict[str, Any]]:
     out = {}
     for step in RUN_STEPS:
-        if (m := _read(gate_dir / step / "manifest.json")) is not None:
+        if (m := _read(RunDir(gate_dir / step).manifest)) is not None:
             out[step] = m
-    for root in matrix_roots:
-        for path in sorted(root.glob("*/*/manifest.json")):  # <cell>/<attempt>/manifest.json
-            if (m := _read(path)) is not None:
-                out[f"matrix/{path.parent.parent.name}/{path.parent.name}"] = m
+    for root in map(MatrixRoot, matrix_roots):
+        for cell in sorted(p.name for p in root.root.iterdir() if p.is_dir()) if root.root.is_dir() else []:
+            for attempt in root.attempts(cell):
+                if (m := _read(RunDir(attempt).manifest)) is not None:
+                    out[f"matrix/{cell}/{attempt.name}"] = m
     return out
 
 

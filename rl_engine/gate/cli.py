@@ -105,7 +105,7 @@ def build_cmd(
 @app.command("verify-inputs")
 def verify_inputs_cmd(
     gate_dir: Path = GATE_DIR,
-    manifest: Path = typer.Option(None, help="manifest.json or sha256sum file the inputs must match"),
+    manifest: Path = typer.Option(None, help="a run's manifest or a sha256sum file the inputs must match"),
     model_root: Path = typer.Option(None, help="model folder: checked against its manifest.sha256"),
     prompt_data: Path = typer.Option(None, help="JSONL prompts: must be recorded in --manifest"),
 ) -> int:

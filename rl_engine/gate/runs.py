@@ -15,6 +15,8 @@ from typing import Any, Sequence
 from rl_engine import errors
 from rl_engine.artifacts import files, ids
 from rl_engine.errors import BadInput
+from rl_engine.evidence import judge
+from rl_engine.evidence.layout import MatrixRoot, RunDir
 from rl_engine.gate.process import last_error, product_env, run_logged
 from rl_engine.gate.steps import Result, code_root, fail, ok
 from rl_engine.runtime.plan import MODULES, SIDES
@@ -79,42 +81,41 @@ def _rlk_run(gate_dir: Path, step: str, w: Workload, *, case: str, ci_test: bool
                                "code_root": str(root), "rlk_exit_code": code, "log": str(log),
                                "workload": {"name": w.name, "steps": w.steps, "device": w.device,
                                             "model_root": w.model_root, "prompt_data": w.prompt_data}}
-    man = _read(run_dir / "manifest.json") or {}
+    run = RunDir(run_dir)
+    man = _read(run.manifest) or {}
     details["source"] = {"commit": man.get("source_commit"), "dirty": man.get("source_dirty")}
-    v = _read(run_dir / "bitwise-validation.json")
-    if v is not None:
-        details["validation"] = {k: v.get(k) for k in (
-            "passed", "evidence_complete", "bitwise", "bitwise_required", "numel", "expected_numel",
-            "mismatch_count", "max_abs_diff", "first_mismatch", "problems", "fallback_failures")}
     if code is None:
         return fail(errors.INFRASTRUCTURE, f"rlk run did not finish in {w.timeout} s", **details), details
+    v = judge.judge(run, expect=judge.Expect(run_id=run_id, finished=True), require_bitwise=ci_test)
+    details["validation"] = {k: getattr(v, k) for k in (
+        "passed", "evidence_complete", "bitwise", "bitwise_required", "numel", "expected_numel",
+        "mismatch_count", "nonfinite_count", "max_abs_diff", "first_mismatch", "problems",
+        "fallbacks", "sides")}
     if code != 0:
-        why = (v or {}).get("problems") or [last_error(log) or f"see {log}"]
+        why = v.problems or [last_error(log) or f"see {log}"]
         return fail(code, f"rlk run exited {code}: {why[0]}", **details), details
-    if v is None:
-        return fail(errors.INFRASTRUCTURE, "rlk run exited 0 without bitwise-validation.json",
-                    **details), details
-    if not v.get("passed"):
-        code = errors.PARITY_FAILURE if v.get("evidence_complete") else errors.INFRASTRUCTURE
-        first = (v.get("problems") or v.get("fallback_failures") or
-                 [f"mismatch_count={v.get('mismatch_count')} first {v.get('first_mismatch')}"])[0]
-        return fail(code, f"validation did not pass: {first}", **details), details
+    if not v.passed:
+        first = (v.problems or [f"{f['side']} {f['module']} fell back: {f['reason']}" for f in v.fallbacks]
+                 or [f"mismatch_count={v.mismatch_count} nonfinite_count={v.nonfinite_count} "
+                     f"first {v.first_mismatch}"])[0]
+        return fail(v.exit_code, f"validation did not pass: {first}", **details), details
     return None, details
 
 
 def _trace_gates(gate_dir: Path, step: str, run_dir: Path, root: Path, plan: str,
                  device: str) -> tuple[Result | None, dict[str, Any]]:
     """`rlk trace gate` on each side's trace files, with that side's group size."""
-    layout = (_read(run_dir / "manifest.json") or {}).get("layout", {})
+    run = RunDir(run_dir)
+    layout = (_read(run.manifest) or {}).get("layout", {})
     world = {"training": layout.get("actor_gpus", 1), "rollout": layout.get("rollout_gpus_per_engine", 1)}
     reports: dict[str, Any] = {}
     failure = None
     for side in SIDES:
-        traces = sorted(p for p in (run_dir / "trace").glob(f"{side}-*") if p.is_file())
+        traces = run.trace_files(side)
         if not traces:
             reports[side] = {"passed": False, "problems": [f"no {side} trace files"]}
             failure = failure or fail(errors.INFRASTRUCTURE, f"trace gate: `rlk run --trace` left no "
-                                                             f"{side} trace in {run_dir / 'trace'}")
+                                                             f"{side} trace in {run.trace}")
             continue
         out = gate_dir / f"{step}.trace-gate.{side}.json"
         out.unlink(missing_ok=True)
@@ -150,70 +151,18 @@ def traced_run(gate_dir: Path, w: Workload, *, checkout: Path | None = None) -> 
     return Result(False, failure.exit_code, failure.reason, details) if failure else ok(**details)
 
 
-def check_production(readback_dir: Path, run_id: str | None) -> tuple[int, str, dict[str, Any]]:
-    """(exit code, first problem, per-side summary): every module of every record ran production
-    (actual P, no fallback) and counted no rl_engine (rlkernel.*) payload, on both sides.
-    Missing or foreign evidence is 3; evidence of an rl_engine route is 1."""
-    incomplete: list[str] = []
-    route: list[str] = []
-    sides: dict[str, dict[str, Any]] = {}
-    for path in sorted(Path(readback_dir).glob("*.json")):
-        rec = _read(path)
-        if rec is None:
-            incomplete.append(f"{path.name}: unreadable")
-            continue
-        side = rec.get("side")
-        s = sides.setdefault(side, {"records": 0, "modules": {}, "rlkernel_calls": 0, "fallbacks": []})
-        s["records"] += 1
-        if run_id is not None and rec.get("run_id") != run_id:
-            incomplete.append(f"{path.name}: run id {rec.get('run_id')!r}, not this run's {run_id!r}")
-        modules = {m.get("module"): m for m in rec.get("modules", [])}
-        for module in MODULES:
-            m = modules.get(module)
-            calls = (m or {}).get("call_counts", {})
-            if m is None or not sum(calls.values()):
-                incomplete.append(f"{path.name}: no calls recorded for {side} {module}")
-                continue
-            s["modules"].setdefault(module, set()).add(m.get("implementation"))
-            strict = {b: n for b, n in calls.items() if b.startswith("rlkernel.") and n}
-            s["rlkernel_calls"] += sum(strict.values())
-            if m.get("implementation") != "production" or m.get("actual") != "P":
-                route.append(f"{path.name}: {side} {module} ran {m.get('implementation')}, not production")
-            if m.get("fallback"):
-                s["fallbacks"].append(module)
-                route.append(f"{path.name}: {side} {module} fell back: {m.get('fallback_reason')}")
-            if strict:
-                route.append(f"{path.name}: {side} {module} counted rl_engine payload {sorted(strict)}")
-        for what in ("kernel_totals", "collective_calls"):
-            strict = {k: n for k, n in (rec.get(what) or {}).items() if k.startswith("rlkernel.") and n}
-            if strict:
-                s["rlkernel_calls"] += sum(strict.values())
-                route.append(f"{path.name}: {side} {what} counts rl_engine payload {sorted(strict)}")
-    incomplete += [f"no {side} readback in {readback_dir}" for side in SIDES if side not in sides]
-    summary = {side: {**s, "modules": {m: sorted(map(str, v)) for m, v in s["modules"].items()}}
-               for side, s in sides.items()}
-    summary["problems"] = incomplete + route
-    if incomplete:
-        return errors.INFRASTRUCTURE, incomplete[0], summary
-    if route:
-        return errors.PARITY_FAILURE, route[0], summary
-    return errors.OK, "", summary
-
-
 def production_run(gate_dir: Path, w: Workload, *, trace: bool = False,
                    checkout: Path | None = None) -> Result:
-    """The P/P run: validated evidence, every module production on both sides with no fallback and
-    no rl_engine payload counted; with --trace, the trace gate with the baseline (P/P) plan too."""
+    """The P/P run: its verdict passes, so every module ran production on every rank of both sides
+    with no fallback and no rl_engine kernel launched (`evidence.judge`); with --trace, the trace
+    gate with the baseline (P/P) plan too."""
     root = code_root(gate_dir, checkout)
     failure, details = _rlk_run(gate_dir, "production-run", w, case="P/P", ci_test=False, trace=trace,
                                 root=root)
     if failure is not None:
         return failure
     run_dir = Path(details["run_dir"])
-    code, reason, details["routes"] = check_production(run_dir / "readbacks", details["run_id"])
-    if code:
-        return fail(code, f"readbacks: {reason}", **details)
-    if (run_dir / "trace").is_dir():
+    if RunDir(run_dir).trace.is_dir():
         failure, details["trace_gate"] = _trace_gates(gate_dir, "production-run", run_dir, root,
                                                       "baseline", w.device)
         if failure is not None:
@@ -234,7 +183,7 @@ def matrix(gate_dir: Path, w: Workload, *, cells: Sequence[str] = (), baseline: 
     log = gate_dir / "matrix.log"
     env = product_env(root, **{k: None for k in _plan_env("R/R")})
     code = run_logged(cmd, cwd=root, log=log, env=env, timeout=w.timeout)
-    report = _read(matrix_root / "matrix-report.json")
+    report = _read(MatrixRoot(matrix_root).report)
     verdict = (report or {}).get("verdict", {})
     details = {"matrix_root": str(matrix_root), "code_root": str(root), "rlk_exit_code": code,
                "log": str(log), "verdict": verdict,

@@ -23,8 +23,9 @@ def _figures(cell: dict[str, Any] | None) -> dict[str, Any] | None:
     if row.get("first_position") is not None:
         first = {"step": row["first_step"], "sample": row["first_sample"],
                  "position": row["first_position"]}
-    # Figures of incomplete evidence are no measurement: they are left out, not shown as zero.
-    known = cell["evidence_complete"]
+    # Figures of incomplete evidence, or of a plan a fallback changed, are no measurement of the
+    # cell: they are left out, not shown as zero.
+    known = cell["evidence_complete"] and not row.get("fallbacks")
     return {"cell": cell["cell"], "attempt_id": row.get("attempt_id"),
             "evidence_complete": known, "numel": row.get("numel") if known else None,
             "mismatch_count": row.get("mismatch_count") if known else None,
@@ -41,7 +42,7 @@ def attribute(cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
         if pp is not None and pp["evidence_complete"]:
             reintroduces = pp["mismatch_count"] > 0
         elif pp is not None:
-            notes.append(f"{module}: the P/P cell's evidence is incomplete")
+            notes.append(f"{module}: the P/P cell's evidence is incomplete or a route fell back")
         modules[module] = {
             "pp_reintroduces_mismatch": reintroduces,
             "pp": pp, "pr": _figures(cells.get(f"{module}-PR")), "rp": _figures(cells.get(f"{module}-RP")),

@@ -75,13 +75,15 @@ def run_cmd(
 @app.command("analyze")
 def analyze_cmd(
     matrix_root: Path = typer.Option(..., help="the matrix root"),
-    output: Path = typer.Option(None, help="report path (default: MATRIX_ROOT/matrix-report.json); "
+    output: Path = typer.Option(None, help="report path (default: the report in MATRIX_ROOT); "
                                            "the Parquet tables go beside it"),
     case: list[str] = typer.Option(None, help="judge only these cells; repeatable"),
     baseline: bool = typer.Option(False, help="expect the baseline cell too"),
     history_root: Path = typer.Option(None, help="also append the report to this history dataset"),
+    final: bool = typer.Option(True, "--final/--live", help="--live: a cell with no finished attempt "
+                                                            "is pending (the matrix still runs)"),
 ) -> int:
-    """Judge every cell's latest attempt; write matrix-report.json, cells.parquet, tokens.parquet."""
+    """Judge every cell's latest attempt; write the matrix report and its Parquet tables."""
     from rl_engine.errors import BadInput
     from rl_engine.matrix import analyze
     from rl_engine.runtime.plan import normalize_cell
@@ -89,7 +91,7 @@ def analyze_cmd(
     if not matrix_root.is_dir():
         raise BadInput(f"matrix root {matrix_root} does not exist")
     cells = [normalize_cell(c) for c in case] if case else None
-    report = analyze.write_report(matrix_root, output, cells=cells, baseline=baseline)
+    report = analyze.write_report(matrix_root, output, cells=cells, baseline=baseline, final=final)
     if history_root is not None:
         from rl_engine.matrix import history
 
@@ -99,11 +101,12 @@ def analyze_cmd(
 
 
 @app.command("show")
-def show_cmd(matrix_root: Path = typer.Argument(..., help="a matrix root or its matrix-report.json")) -> int:
+def show_cmd(matrix_root: Path = typer.Argument(..., help="a matrix root or its report file")) -> int:
     """Print a matrix report."""
     from rl_engine.errors import BadInput
+    from rl_engine.evidence.layout import report_path
 
-    path = matrix_root / "matrix-report.json" if matrix_root.is_dir() else matrix_root
+    path = report_path(matrix_root)
     try:
         report = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -141,14 +144,15 @@ def _print_report(report: dict) -> None:
     v = report["verdict"]
     table = Table(title=f"matrix {report['matrix_id']}: passed={v['passed']} "
                         f"evidence_complete={v['evidence_complete']} bitwise={v['bitwise']}")
-    for col in ("cell", "plan", "attempt", "older", "exit", "evidence", "bitwise", "passed",
+    for col in ("cell", "plan", "attempt", "older", "exit", "state", "evidence", "bitwise", "passed",
                 "numel", "mismatches", "max |diff|", "first pos", "reasons"):
         table.add_column(col)
     for c in report["cells"]:
         r = c["latest"]
         plan = f"{r['plan_attention']} {r['plan_ffn']} {r['plan_logp']}"
         table.add_row(c["cell"], plan, r["attempt_id"] or "-", str(len(c["attempts"])),
-                      str(r["exit_code"]), _mark(c["evidence_complete"]), _mark(c["bitwise"]),
+                      str(r["exit_code"]), c.get("state", "-"), _mark(c["evidence_complete"]),
+                      _mark(c["bitwise"]),
                       _mark(c["passed"]), str(r["numel"]), str(r["mismatch_count"]),
                       f"{r['max_abs_diff']:.3g}", str(r["first_position"]),
                       "; ".join(c["reasons"][:3]) + (" ..." if len(c["reasons"]) > 3 else ""))

@@ -3,8 +3,8 @@
 Each cell runs as a subprocess in its own session (process group) with the plan, run id and run
 directory in its environment; its console output is streamed to ours and kept in console.log. The
 group is killed once the run exits, times out, fails or is interrupted, so no worker of one cell
-outlives it. matrix-case.env is written into the attempt folder before the run starts (run
-directories admit the files the matrix writes, see rl_engine/artifacts/run_dir.py), so even a run
+outlives it. The case file is written into the attempt folder before the run starts (run
+directories admit the files the matrix writes, see rl_engine/evidence/layout.py), so even a run
 killed at once says what it was. An attempt folder is never reused: --resume starts a new attempt
 for every cell whose latest one is incomplete (and with --rerun-failed, did not pass).
 """
@@ -24,7 +24,9 @@ from typing import Any, Callable, Sequence, TextIO
 
 from rl_engine import envs, errors
 from rl_engine.artifacts import files, ids, provenance
-from rl_engine.matrix import analyze, evidence
+from rl_engine.evidence import records
+from rl_engine.evidence.layout import MatrixRoot, RunDir
+from rl_engine.matrix import analyze
 from rl_engine.runtime.plan import ALL_CELLS, ISOLATION_CELLS, MODULES, cell_plan, normalize_cell
 
 # How a cell's `rlk run` is started; tests swap in a stand-in.
@@ -114,7 +116,7 @@ def _pump(stream, console: Path, out: TextIO, prefix: str) -> None:
 
 def case_env(mid: str, cell: str, attempt_id: str, workload: str, config, *,
              model_root: Path | None = None, prompt_data: Path | None = None) -> dict[str, Any]:
-    """matrix-case.env: what the attempt was asked to run (plan, layout, workload, source)."""
+    """The case file: what the attempt was asked to run (plan, layout, workload, source)."""
     plan = cell_plan(cell)
     src = provenance.source()
     return {"MATRIX_ID": mid, "CELL": cell, "ATTEMPT_ID": attempt_id,
@@ -140,7 +142,8 @@ def run_cell(m: MatrixRun, cell: str, mid: str, config) -> Path:
             continue
     plan = cell_plan(cell)
     run_id = analyze.run_id_of(mid, cell, attempt_id)
-    evidence.write_case_env(folder / evidence.CASE_ENV, case_env(
+    run = RunDir(folder)
+    records.write_case_env(run, case_env(
         mid, cell, attempt_id, m.workload, config, model_root=m.model_root,
         prompt_data=m.prompt_data))
     env = {**os.environ, "RL_KERNEL_RUN_ID": run_id, "RL_KERNEL_ARTIFACT_DIR": str(folder),
@@ -152,7 +155,7 @@ def run_cell(m: MatrixRun, cell: str, mid: str, config) -> Path:
     m.out.flush()
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
-    pump = threading.Thread(target=_pump, args=(proc.stdout, folder / evidence.CONSOLE_LOG, m.out,
+    pump = threading.Thread(target=_pump, args=(proc.stdout, run.console_log, m.out,
                                                 f"[{cell}] "), daemon=True)
     pump.start()
     try:
@@ -200,7 +203,7 @@ def _wants_run(m: MatrixRun, cell: str, mid: str) -> bool:
 
 def _init_root(root: Path) -> str:
     """The matrix id (from matrix.json, written the first time a root is used)."""
-    path = root / analyze.MATRIX_FILE
+    path = MatrixRoot(root).matrix_file
     if not path.exists():
         root.mkdir(parents=True, exist_ok=True)
         files.write_json(path, {"matrix_id": ids.sanitize(root.resolve().name),
@@ -222,7 +225,10 @@ def run(m: MatrixRun, *, history_root: Path | None = None) -> tuple[int, dict[st
     for cell in cells:
         if _wants_run(m, cell, mid):
             run_cell(m, cell, mid, config)
-    report = analyze.write_report(m.root, baseline=m.baseline or "baseline" in cells)
+    # Cells this run did not select may still be run by another (the DAG runs one cell per job):
+    # they are pending, not failed, unless this run covered every cell of the matrix.
+    final = set(analyze.expected_cells(m.root, m.baseline or "baseline" in cells)) <= set(cells)
+    report = analyze.write_report(m.root, baseline=m.baseline or "baseline" in cells, final=final)
     if history_root is not None:
         from rl_engine.matrix import history
 

@@ -1,6 +1,7 @@
-"""The matrix report as Parquet: cells.parquet (one row per cell attempt) and tokens.parquet (one
-row per compared log-prob of each cell's latest attempt), written atomically with fixed schemas so
-that an empty or partial matrix still has every column.
+"""The matrix report as Parquet: the cells table (one row per cell attempt) and the tokens table
+(one row per compared log-prob of each cell's latest attempt), written atomically with fixed
+schemas so that an empty or partial matrix still has every column. Their names and places are
+`evidence.layout.MatrixRoot`'s.
 """
 
 from __future__ import annotations
@@ -14,22 +15,20 @@ import pyarrow.parquet as pq
 
 from rl_engine.artifacts import files
 
-CELLS = "cells.parquet"
-TOKENS = "tokens.parquet"
-
 CELL_SCHEMA = pa.schema([
     ("cell", pa.string()), ("attempt_id", pa.string()), ("latest", pa.bool_()),
     ("matrix_id", pa.string()), ("run_id", pa.string()),
     ("plan_attention", pa.string()), ("plan_ffn", pa.string()), ("plan_logp", pa.string()),
-    ("exit_code", pa.int32()), ("traceback", pa.bool_()), ("complete", pa.bool_()),
+    ("state", pa.string()), ("exit_code", pa.int32()), ("traceback", pa.bool_()),
+    ("complete", pa.bool_()),
     ("evidence_complete", pa.bool_()), ("bitwise", pa.bool_()), ("bitwise_required", pa.bool_()),
     ("passed", pa.bool_()), ("numel", pa.int64()), ("expected_numel", pa.int64()),
-    ("mismatch_count", pa.int64()), ("max_abs_diff", pa.float64()),
+    ("mismatch_count", pa.int64()), ("nonfinite_count", pa.int64()), ("max_abs_diff", pa.float64()),
     ("first_step", pa.int64()), ("first_sample", pa.int64()), ("first_position", pa.int64()),
     ("validation_passed", pa.bool_()), ("started_at", pa.string()), ("finished_at", pa.string()),
     ("duration_s", pa.float64()), ("source_commit", pa.string()),
     ("worker_commits", pa.list_(pa.string())), ("reasons", pa.list_(pa.string())),
-    # What each side executed per module (see matrix/evidence.py check_sides), as JSON text.
+    # What each side executed per module (the verdict's `sides`), as JSON text.
     ("sides", pa.string()),
 ])
 
@@ -46,7 +45,7 @@ def _write(path: Path, table: pa.Table) -> Path:
 
 
 def cell_record(row: dict[str, Any]) -> dict[str, Any]:
-    """A report row as stored in cells.parquet."""
+    """A report row as stored in the cells table."""
     out = {name: row.get(name) for name in CELL_SCHEMA.names}
     out["sides"] = json.dumps(row.get("sides") or {}, sort_keys=True)
     return out

@@ -122,6 +122,7 @@ def run(*, workload: str = "ci", cells: list[str] | None = None, launcher: str =
         matrix_base: Path | None = None) -> int:
     """What `rlk demo` does; returns its exit code (the matrix verdict's, or 3 when no report)."""
     from rl_engine.matrix.cli import show_cmd
+    from rl_engine.evidence.layout import MatrixRoot
     from rl_engine.runtime.plan import ISOLATION_CELLS
 
     state_dir = state_dir or envs.RLK_STATE_DIR
@@ -132,7 +133,7 @@ def run(*, workload: str = "ci", cells: list[str] | None = None, launcher: str =
         console.print(f"running DAG {DAG_ID} with {conf}", highlight=False)
         dag_run = trigger(conf)
         root = matrix_root_of(dag_run.run_id)
-        report = root / "matrix-report.json"
+        report = MatrixRoot(root).report
         if report.is_file():
             rows = overheads(dag_run, json.loads(report.read_text()))
             files.write_json(root / "overhead.json", {"dag_run_id": dag_run.run_id, "cells": rows})
@@ -142,8 +143,8 @@ def run(*, workload: str = "ci", cells: list[str] | None = None, launcher: str =
         console.print(f"[red]no report[/] at {report}; see the task logs above", highlight=False)
         return errors.INFRASTRUCTURE
     code = show_cmd(root)
-    console.print(f"report: {report}\ntables: {root / 'cells.parquet'}, {root / 'tokens.parquet'}",
-                  highlight=False)
+    cells_table, tokens_table = MatrixRoot.tables_beside(report)
+    console.print(f"report: {report}\ntables: {cells_table}, {tokens_table}", highlight=False)
     if str(dag_run.state) != "success" and code == errors.OK:
         return errors.INFRASTRUCTURE
     return code

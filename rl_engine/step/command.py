@@ -11,12 +11,11 @@ from rich.table import Table
 
 from rl_engine import envs, errors
 from rl_engine.artifacts import files, ids
-from rl_engine.artifacts import run_dir as run_dirs
+from rl_engine.evidence import judge, layout
 from rl_engine.runtime.plan import Plan
 from rl_engine.step import inputs as step_inputs
 from rl_engine.step.config import StepConfig
 from rl_engine.step.runner import run_steps, summary
-from rl_engine.validation.validate import exit_code, validate
 
 console = make_console(stderr=True)
 
@@ -32,7 +31,7 @@ def execute(*, config: StepConfig, plan: Plan, run_id: str, root: Path, model_ro
             prompt_file: Path | None, verify_inputs: Path | None, chat_template: bool,
             trace: bool, validate_after: bool, require_bitwise: bool, threshold: float) -> int:
     """Runs the steps into a new run directory; returns the exit code (also written there)."""
-    run = run_dirs.create(root)
+    run = layout.create(root)
     handler = logging.FileHandler(run.log)
     handler.setFormatter(logging.Formatter("%(asctime)s pid=%(process)d %(message)s"))
     logging.getLogger().addHandler(handler)
@@ -45,16 +44,15 @@ def execute(*, config: StepConfig, plan: Plan, run_id: str, root: Path, model_ro
             figures = run_steps(plan=plan, config=config, inputs=inputs, run=run, run_id=run_id,
                                 trace=trace, on_phase=lambda p: status.update(p))
         result = summary(figures)
-        files.write_json(run.root / "steps.json", {"run_id": run_id, **result})
+        files.write_json(run.steps, {"run_id": run_id, **result})
         code = errors.OK
         if require_bitwise and result["max_abs_diff"] > threshold:
             code = errors.PARITY_FAILURE
         if validate_after:
-            report = validate(run.readbacks, run.train_data, run_id=run_id, plan=plan,
-                              expected_numel=config.numel_per_step * config.steps,
-                              require_bitwise=require_bitwise)
-            files.write_json(run.validation, report)
-            code = exit_code(report) or code
+            verdict = judge.judge(run, expect=judge.Expect(run_id=run_id, plan=plan),
+                                  require_bitwise=require_bitwise)
+            verdict.write(run.validation)
+            code = verdict.exit_code or code
         _print_summary(run_id, plan, run.root, figures, code)
         return code
     except BaseException as exc:

@@ -45,6 +45,9 @@ class StepConfig:
     # Training and rollout on the same GPUs, one after the other (colocated), or rollout on the
     # ROLLOUT_GPUS after the trainer's ACTOR_GPUS.
     colocate: bool = True
+    # The engine ids of each side (recorded in the manifest and named in every readback file).
+    trainer: str = "builtin"
+    rollout_engine: str = "builtin"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -60,6 +63,9 @@ class StepConfig:
         if self.global_batch_size % self.dp:
             raise BadInput(f"GLOBAL_BATCH_SIZE={self.global_batch_size} sequences cannot be split "
                            f"over DP={self.dp} replicas; change ACTOR_GPUS or the batch")
+        for flag, value in (("--trainer", self.trainer), ("--rollout-engine", self.rollout_engine)):
+            if value != "builtin":
+                raise BadInput(f"{flag} {value!r}: this version runs the builtin engines only")
         if self.device not in ("cpu", "cuda"):
             raise BadInput(f"device {self.device!r}: use cpu or cuda")
 

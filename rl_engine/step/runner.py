@@ -16,7 +16,9 @@ from typing import Any, Callable
 import torch
 
 from rl_engine.artifacts import files, manifest
-from rl_engine.artifacts.run_dir import RunDir
+from rl_engine.evidence import layout, records
+from rl_engine.evidence.compare import compare
+from rl_engine.evidence.layout import RunDir
 from rl_engine.models.unshard import state_checksum
 from rl_engine.engines.rollout.worker import RolloutJob, run_rollout
 from rl_engine.errors import BadInput, InfrastructureError
@@ -34,6 +36,7 @@ class StepFigures:
     rollout_id: str
     numel: int
     mismatch_count: int
+    nonfinite_count: int
     max_abs_diff: float
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -75,34 +78,32 @@ def _train(plan: Plan, config: StepConfig, inputs: Inputs, state, samples, run: 
                         checksum=lead["checksum"])
 
 
-def _write_train_data(run: RunDir, run_id: str, rollout_id: str, step: int, samples,
+def _write_train_data(run: RunDir, run_id: str, step: int, samples,
                       trainer_logprobs: list[torch.Tensor], dp: int, ranks_per_replica: int) -> StepFigures:
     """One file per DP replica (its samples), named by the replica's first trainer rank."""
-    numel = mismatches = 0
+    numel = mismatches = nonfinite = 0
     max_diff = 0.0
     per_replica = -(-len(samples) // dp)
     for replica in range(dp):
         idx = list(range(replica * per_replica, min(len(samples), (replica + 1) * per_replica)))
         if not idx:
             continue
-        ro = torch.stack([samples[i].logprobs for i in idx])
+        ro = torch.stack([samples[i].logprobs.float() for i in idx])
         tr = torch.stack([trainer_logprobs[i].float() for i in idx])
-        prompt_lens = [len(samples[i].prompt) for i in idx]
         length = ro.shape[1]
-        payload = {
-            "run_id": run_id, "rollout_id": rollout_id, "step": step,
+        records.write_train_data(run, run_id=run_id, step=step, rank=replica * ranks_per_replica, payload={
             "sample_ids": torch.tensor(idx),
             "prompt_index": torch.tensor([samples[i].prompt_index for i in idx]),
             "tokens": torch.tensor([samples[i].tokens for i in idx]),
-            "positions": torch.stack([torch.arange(p, p + length) for p in prompt_lens]),
+            "positions": torch.stack([torch.arange(len(samples[i].prompt), len(samples[i].prompt) + length)
+                                      for i in idx]),
             "rollout_logprobs": ro, "trainer_logprobs": tr,
-        }
-        files.write_torch(run.train_data_file(rollout_id, replica * ranks_per_replica), payload)
-        numel += ro.numel()
-        mismatches += int((~torch.eq(ro, tr)).sum())
-        max_diff = max(max_diff, float((ro - tr).abs().max()))
-    return StepFigures(step=step, rollout_id=rollout_id, numel=numel, mismatch_count=mismatches,
-                       max_abs_diff=max_diff)
+        })
+        c = compare(ro, tr)
+        numel, mismatches, nonfinite = numel + c.numel, mismatches + c.mismatch_count, nonfinite + c.nonfinite_count
+        max_diff = max(max_diff, c.max_abs_diff)
+    return StepFigures(step=step, rollout_id=layout.rollout_id(step), numel=numel,
+                       mismatch_count=mismatches, nonfinite_count=nonfinite, max_abs_diff=max_diff)
 
 
 def check_device(plan: Plan, config: StepConfig) -> None:
@@ -136,7 +137,6 @@ def run_steps(*, plan: Plan, config: StepConfig, inputs: Inputs, run: RunDir, ru
     published = state_checksum(state)  # the checksum of the weights the engines must hold
     figures: list[StepFigures] = []
     for step in range(config.steps):
-        rollout_id = f"rollout-{step:04d}"
         t0 = time.monotonic()
         on_phase(f"step {step}: rollout ({config.engines} engines x TP {config.rollout_gpus_per_engine})")
         job = RolloutJob(config=inputs.config, state=state, plan=plan, prompts=inputs.prompts,
@@ -144,8 +144,7 @@ def run_steps(*, plan: Plan, config: StepConfig, inputs: Inputs, run: RunDir, ru
                          seed=config.seed + 1000 * step, engines=config.engines,
                          tp=config.rollout_gpus_per_engine, run_dir=run.root, run_id=run_id,
                          trace_dir=run.trace if trace else None, device=config.device,
-                         first_gpu=config.rollout_first_gpu,
-                         extra={"step": step})
+                         first_gpu=config.rollout_first_gpu, step=step)
         samples, results = run_rollout(job)
         synced = {r["weights_checksum"] for r in results}
         if synced != {published}:
@@ -155,7 +154,7 @@ def run_steps(*, plan: Plan, config: StepConfig, inputs: Inputs, run: RunDir, ru
         on_phase(f"step {step}: training (TP {config.tp} x CP {config.cp} x DP {config.dp})")
         result = _train(plan, config, inputs, state, samples, run, run_id, step, trace)
         t2 = time.monotonic()
-        fig = _write_train_data(run, run_id, rollout_id, step, samples, result.logprobs, config.dp,
+        fig = _write_train_data(run, run_id, step, samples, result.logprobs, config.dp,
                                 config.tp * config.cp)
         fig.seconds = {"rollout": round(t1 - t0, 3), "training": round(t2 - t1, 3)}
         log.info(fig.line())
@@ -164,7 +163,7 @@ def run_steps(*, plan: Plan, config: StepConfig, inputs: Inputs, run: RunDir, ru
         if published != result.checksum:
             raise InfrastructureError(f"the weights received from the trainer at step {step} do not "
                                       "match the checksum the trainer computed")
-        files.write_json(run.weights / f"step-{step:04d}.json",
+        files.write_json(run.weights_file(step),
                          {"run_id": run_id, "step": step, "checksum": result.checksum,
                           "loss": result.loss})
     return figures
@@ -174,4 +173,5 @@ def summary(figures: list[StepFigures]) -> dict[str, Any]:
     return {"steps": [dataclasses.asdict(f) | {"line": f.line()} for f in figures],
             "numel": sum(f.numel for f in figures),
             "mismatch_count": sum(f.mismatch_count for f in figures),
+            "nonfinite_count": sum(f.nonfinite_count for f in figures),
             "max_abs_diff": max((f.max_abs_diff for f in figures), default=0.0)}

@@ -16,7 +16,8 @@ import torch
 from rl_engine.engines.train.packing import Sample
 from rl_engine.engines.train.trainer import TrainConfig, Trainer
 from rl_engine.models.config import Qwen3Config
-from rl_engine.runtime import readback, trace_record
+from rl_engine.evidence import layout, records
+from rl_engine.runtime import trace_record
 from rl_engine.runtime.plan import Plan
 
 
@@ -38,10 +39,10 @@ def train_step_worker(rank: int, world: int, job: TrainStep) -> dict[str, Any]:
     with trace_record.record(job.trace_dir, name=f"training-rank{rank}"):
         result = trainer.step(job.samples)
     lay = trainer.layout
-    readback.write(job.run_dir, trainer.router, run_id=job.run_id, rank=rank,
-                   extra={"step": job.step, "tp_rank": lay.tp_rank, "cp_rank": lay.cp_rank,
-                          "dp_rank": lay.dp_rank, "micro_batches": result.micro_batches,
-                          "world_size": world})
+    records.write_readback(layout.RunDir(job.run_dir), trainer.router, run_id=job.run_id, rank=rank,
+                           world_size=world, step=job.step,
+                           extra={"tp_rank": lay.tp_rank, "cp_rank": lay.cp_rank,
+                                  "dp_rank": lay.dp_rank, "micro_batches": result.micro_batches})
     state = trainer.full_state_dict("weights")  # a collective: every rank takes part
     out: dict[str, Any] = {"rank": rank, "loss": result.loss, "rewards": result.rewards,
                            "checksum": trainer.checksum()}

@@ -17,7 +17,6 @@ from rl_engine.artifacts import files, manifest
 from rl_engine.artifacts.provenance import SOURCE_ROOT
 from rl_engine.cli import main
 from rl_engine.gate import RUN_STEPS, STEPS
-from rl_engine.gate.runs import check_production
 
 RUN_ID = "gate-test-run"
 
@@ -178,49 +177,6 @@ def test_strict_run_of_the_ci_workload_passes_with_a_bitwise_validation(tmp_path
     code, err = gate(capsys, "strict-run", "--gate-dir", tmp_path, "--workload", "huge")
     assert code == 2 and "gate step strict-run failed: --workload 'huge'" in err
     assert (run_dir / "manifest.json").is_file(), "a refused step must not touch the earlier run"
-
-
-def _readback(folder: Path, side: str, pid: int, *, impl: str = "production", counts=None,
-              fallback: bool = False, run_id: str = RUN_ID, totals=None) -> None:
-    counts = counts or {"production.torch.linear": 4}
-    modules = [{"module": m, "case": "P/P", "requested": "P", "actual": "P" if impl == "production" else "R",
-                "implementation": impl, "backend_ids": sorted(counts), "call_counts": counts,
-                "fallback": fallback, "fallback_reason": "no kernel" if fallback else None}
-               for m in ("attention", "ffn", "logp")]
-    files.write_json(folder / f"builtin-{side}-{pid}.json", {
-        "run_id": run_id, "side": side, "pid": pid, "modules": modules,
-        "kernel_totals": totals or {}, "collective_calls": {"production.gloo.all_reduce": 8}})
-
-
-def test_production_check_requires_production_on_both_sides_and_no_rlkernel_payload(tmp_path):
-    good = tmp_path / "good"
-    good.mkdir()
-    _readback(good, "training", 1)
-    _readback(good, "rollout", 2)
-    code, reason, summary = check_production(good, RUN_ID)
-    assert (code, reason) == (0, "")
-    assert summary["training"]["modules"] == {m: ["production"] for m in ("attention", "ffn", "logp")}
-
-    cases = {
-        "strict payload": (dict(counts={"production.torch.linear": 4, "rlkernel.det_gemm.cpu.v1": 2}),
-                           1, "counted rl_engine payload ['rlkernel.det_gemm.cpu.v1']"),
-        "rl_engine route": (dict(impl="rlkernel", counts={"rlkernel.det_gemm.cpu.v1": 2}), 1,
-                            "ran rlkernel, not production"),
-        "fallback": (dict(fallback=True), 1, "fell back"),
-        "kernel totals": (dict(totals={"rlkernel.rmsnorm.cpu.v1:rmsnorm": 3}), 1, "kernel_totals"),
-        "stale record": (dict(run_id="another-run"), 3, "not this run's"),
-    }
-    for name, (kwargs, want, text) in cases.items():
-        folder = tmp_path / name.replace(" ", "-")
-        folder.mkdir()
-        _readback(folder, "training", 1)
-        _readback(folder, "rollout", 2, **kwargs)
-        code, reason, _ = check_production(folder, RUN_ID)
-        assert code == want and text in reason, (name, code, reason)
-    lone = tmp_path / "lone"
-    lone.mkdir()
-    _readback(lone, "training", 1)
-    assert check_production(lone, RUN_ID)[:2] == (3, f"no rollout readback in {lone}")
 
 
 def _fabricated_gate(root: Path, commit: str) -> tuple[Path, Path]:

@@ -20,7 +20,9 @@ import torch
 
 from rl_engine.artifacts import files, ids
 from rl_engine.cli import main
-from rl_engine.matrix import analyze, evidence, history, runner, tables
+from rl_engine.evidence import records
+from rl_engine.evidence.layout import MatrixRoot, RunDir
+from rl_engine.matrix import analyze, history, runner, tables
 from rl_engine.runtime.plan import ISOLATION_CELLS, MODULES, cell_plan
 from rl_engine.step.config import StepConfig
 from fixtures import fake_run
@@ -80,14 +82,14 @@ def add_attempt(root: Path, cell: str, rollout, trainer, *, minutes: int = 0) ->
     folder = root / cell / attempt
     folder.mkdir(parents=True)
     mid = analyze.matrix_id(root)
-    evidence.write_case_env(folder / evidence.CASE_ENV, runner.case_env(mid, cell, attempt, "ci", CONFIG))
+    records.write_case_env(RunDir(folder), runner.case_env(mid, cell, attempt, "ci", CONFIG))
     fake_run.write_run(folder, run_id=analyze.run_id_of(mid, cell, attempt), plan=cell_plan(cell),
                        rollout=rollout, trainer=trainer, require_bitwise=cell == "control")
     return folder
 
 
 def build_matrix(root: Path, injected: str, seed: int = 0) -> dict[str, Path]:
-    files.write_json(root / analyze.MATRIX_FILE, {"matrix_id": root.name,
+    files.write_json(MatrixRoot(root).matrix_file, {"matrix_id": root.name,
                                                   "created_at": T0.strftime("%Y-%m-%dT%H:%M:%SZ")})
     w = weights(seed)
     return {cell: add_attempt(root, cell, *cell_logprobs(cell, w, injected))
@@ -142,46 +144,52 @@ def _rewrite(path: Path, **changes) -> None:
 def test_broken_evidence_is_named_per_cell(tmp_path):
     root = tmp_path / "matrix"
     f = build_matrix(root, "ffn")
-    (f["attention-PR"] / "readbacks" / "builtin-training-1000.json").write_text("{not json")
+    (f["attention-PR"] / "readbacks" / "builtin-training-rank0.json").write_text("{not json")
     (f["ffn-PR"] / "exit-code").unlink()
-    _rewrite(f["logp-PR"] / "readbacks" / "builtin-rollout-1001.json", run_id="nightly-old-run")
+    _rewrite(f["logp-PR"] / "readbacks" / "builtin-rollout-rank0.json", run_id="nightly-old-run")
     next((f["attention-RP"] / "train-data").glob("*.pt")).write_bytes(b"not a torch file")
-    (f["ffn-RP"] / evidence.CASE_ENV).unlink()
+    (RunDir(f["ffn-RP"]).case_env).unlink()
     (f["ffn-RP"] / "run.log").write_text("Traceback (most recent call last):\n  ...\n")
     killed = root / "logp-RP" / ids.new_attempt_id(T0 + timedelta(hours=1))
     killed.mkdir()
-    (killed / evidence.CASE_ENV).write_text("CELL=logp-RP\n")
-    training = f["attention-PP"] / "readbacks" / "builtin-training-1000.json"
+    (RunDir(killed).case_env).write_text("CELL=logp-RP\n")
+    training = f["attention-PP"] / "readbacks" / "builtin-training-rank0.json"
     body = json.loads(training.read_text())
-    body["modules"][1]["fallback"] = True  # ffn is R on this side: a fallback nobody planned
+    for record in (body["modules"][1], body["steps"][0]["modules"][1]):
+        record.update(fallback=True, fallback_reason="no kernel")  # ffn is R here: nobody planned it
     training.write_text(json.dumps(body))
+    RunDir(f["attention-PP"]).write_exit_code(1)  # as `rlk run` exits on a fallback
     _rewrite(f["logp-PP"] / "bitwise-validation.json", mismatch_count=0, numel=999)
     for name in ("exit-code", "run.log"):  # a cell whose whole folder is gone
         (f["ffn-PP"] / name).unlink()
-    (f["ffn-PP"] / "readbacks" / "builtin-rollout-1001.json").unlink()
+    (f["ffn-PP"] / "readbacks" / "builtin-rollout-rank0.json").unlink()
     (f["ffn-PP"] / "manifest.json").write_text("[]")
 
     report = analyze.analyze(root)
     reasons = {c["cell"]: " | ".join(c["reasons"]) for c in report["cells"]}
     assert reasons["control"] == "" and report["cells"][0]["passed"]
-    assert "readback builtin-training-1000.json is malformed" in reasons["attention-PR"]
-    assert "no training readback of this run" in reasons["attention-PR"]
+    assert "readback builtin-training-rank0.json is malformed" in reasons["attention-PR"]
+    assert "missing readback builtin-training-rank0.json" not in reasons["attention-PR"]
     assert "no exit-code: the run did not finish" in reasons["ffn-PR"]
-    assert ("readback builtin-rollout-1001.json is of run 'nightly-old-run', not "
+    assert ("readback builtin-rollout-rank0.json is of run 'nightly-old-run', not "
             f"'matrix-logp-PR-{f['logp-PR'].name}'") in reasons["logp-PR"]
     assert "train data rollout-0000.rank0.pt is malformed" in reasons["attention-RP"]
     assert "compared 0 log-probs, the workload expects 64" in reasons["attention-RP"]
     assert "no matrix-case.env" in reasons["ffn-RP"] and "run.log holds a traceback" in reasons["ffn-RP"]
     assert "no exit-code" in reasons["logp-RP"] and "no train-data files" in reasons["logp-RP"]
-    assert "no manifest.json" in reasons["logp-RP"] and "no training readback" in reasons["logp-RP"]
+    assert "no manifest.json" in reasons["logp-RP"]
     logp_rp = next(c for c in report["cells"] if c["cell"] == "logp-RP")
     assert logp_rp["attempts"][0]["passed"], "the older attempt is still listed, and judged"
-    assert "training ffn: unplanned fallback in 1 record(s)" in reasons["attention-PP"]
+    assert "training ffn rank 0 fell back" in reasons["attention-PP"]
     assert "bitwise-validation.json reports numel=999" in reasons["logp-PP"]
-    assert "manifest.json is malformed" in reasons["ffn-PP"] and "no rollout readback" in reasons["ffn-PP"]
+    assert "manifest.json is malformed" in reasons["ffn-PP"]
     broken = {"attention-PR", "ffn-PR", "logp-PR", "attention-RP", "ffn-RP", "logp-RP",
-              "attention-PP", "logp-PP", "ffn-PP"}
+              "logp-PP", "ffn-PP"}
     assert set(report["verdict"]["incomplete_cells"]) == broken
+    # A fallback with otherwise complete evidence is a parity-class failure, not incomplete evidence.
+    attention_pp = next(c for c in report["cells"] if c["cell"] == "attention-PP")
+    assert attention_pp["evidence_complete"] and not attention_pp["passed"]
+    assert set(report["verdict"]["failed_cells"]) == broken | {"attention-PP"}
     assert report["verdict"]["exit_code"] == 3
     assert [m for m, v in report["attribution"]["modules"].items()
             if v["pp_reintroduces_mismatch"] is None] == list(MODULES)
@@ -190,7 +198,7 @@ def test_broken_evidence_is_named_per_cell(tmp_path):
 def test_an_attempt_the_analyzer_cannot_read_fails_alone(tmp_path):
     root = tmp_path / "matrix"
     f = build_matrix(root, "ffn")
-    training = f["ffn-RP"] / "readbacks" / "builtin-training-1000.json"
+    training = f["ffn-RP"] / "readbacks" / "builtin-training-rank0.json"
     body = json.loads(training.read_text())
     body["modules"][0]["call_counts"] = {"rlkernel.det_gemm.cpu.v1": "many"}
     training.write_text(json.dumps(body))
@@ -207,12 +215,12 @@ def test_parquet_tables_hold_the_report_rows(tmp_path):
     rollout, trainer = cell_logprobs("logp-PP", weights(0), "logp")
     add_attempt(root, "logp-PP", rollout, trainer, minutes=9)
     report = analyze.write_report(root)
-    on_disk = json.loads((root / analyze.REPORT).read_text())
+    on_disk = json.loads((MatrixRoot(root).report).read_text())
     assert on_disk["schema_version"] == analyze.REPORT_SCHEMA_VERSION
     rows = [r for c in on_disk["cells"] for r in (c["latest"], *c["attempts"])]
     assert len(rows) == 11 == on_disk["tables"]["cell_rows"]
-    assert tables.read(root / tables.CELLS) == [tables.cell_record(r) for r in rows]
-    tokens = tables.read(root / tables.TOKENS)
+    assert tables.read(MatrixRoot.tables_beside(MatrixRoot(root).report)[0]) == [tables.cell_record(r) for r in rows]
+    tokens = tables.read(MatrixRoot.tables_beside(MatrixRoot(root).report)[1])
     assert len(tokens) == 10 * S * L == report["tables"]["token_rows"]
     mine = [t for t in tokens if t["cell"] == "logp-PP"]
     latest = next(c for c in on_disk["cells"] if c["cell"] == "logp-PP")["latest"]["attempt_id"]

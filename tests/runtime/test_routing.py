@@ -1,6 +1,5 @@
 import json
 import logging
-import os
 import subprocess
 import sys
 import textwrap
@@ -8,7 +7,6 @@ import textwrap
 import torch
 
 from rl_engine.ops import counters
-from rl_engine.runtime import readback
 from rl_engine.runtime.plan import Plan
 from rl_engine.runtime.routing import Router
 
@@ -76,25 +74,6 @@ def test_call_counts_come_from_the_kernel_counters(tmp_path):
     assert launched == {("det_gemm", "cpu"): 3, ("swiglu", "cpu"): 1}
     assert router.records["ffn"].call_counts == {"rlkernel.det_gemm.cpu.v1": 3, "rlkernel.swiglu.cpu.v1": 1}
     assert router.records["attention"].call_counts == {}
-
-
-def test_readback_has_the_fields_and_is_written_once_per_worker(tmp_path):
-    router = Router(Plan(logp="P/R"), side="training", engine="builtin")
-    router.linear("attention", torch.randn(4, 8), torch.randn(4, 8))
-    router.selected_logp("logp", torch.randn(4, 8), torch.randn(32, 8), torch.arange(4))
-    readback.write(tmp_path, router, run_id="run-1", rank=0)
-    path = readback.write(tmp_path, router, run_id="run-1", rank=0)  # a flush replaces, never adds
-    assert [p.name for p in (tmp_path / "readbacks").iterdir()] == [f"builtin-training-{os.getpid()}.json"]
-    data = json.loads(path.read_text())
-    assert data["schema_version"] == 1 and data["run_id"] == "run-1" and data["rank"] == 0
-    assert data["pid"] == os.getpid() and data["side"] == "training" and data["engine"] == "builtin"
-    assert {"source_commit", "source_dirty", "execution_mode", "kernel_totals"} <= set(data)
-    mods = {m["module"]: m for m in data["modules"]}
-    assert mods["attention"]["implementation"] == "rlkernel"
-    assert mods["attention"]["backend_ids"] == ["rlkernel.det_gemm.cpu.v1"]
-    assert mods["logp"]["implementation"] == "production" and mods["logp"]["case"] == "P/R"
-    assert mods["logp"]["call_counts"] == {"production.torch.log_softmax": 1}
-    assert all(m["fallback"] is False for m in mods.values())
 
 
 def test_route_line_is_logged_once_per_module(caplog):

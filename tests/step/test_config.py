@@ -1,6 +1,7 @@
 import pytest
 
-from rl_engine.artifacts import ids, run_dir
+from rl_engine.artifacts import ids
+from rl_engine.evidence import layout as run_dir
 from rl_engine.errors import BadInput
 from rl_engine.step.config import StepConfig
 

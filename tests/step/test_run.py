@@ -58,8 +58,7 @@ def test_baseline_reports_its_mismatch_and_fails_only_when_bitwise_is_required(r
     report = json.loads((run_dir / "bitwise-validation.json").read_text())
     assert report["passed"] and not report["bitwise"] and report["mismatch_count"] > 0
     assert report["first_mismatch"]["position"] >= 0
-    strict = rlk("validate", "--readback-dir", str(run_dir / "readbacks"), "--train-data-dir",
-                 str(run_dir / "train-data"), "--output", str(tmp_path / "v.json"), "--require-bitwise")
+    strict = rlk("validate", str(run_dir), "--output", str(tmp_path / "v.json"), "--require-bitwise")
     assert strict.returncode == 1
 
 

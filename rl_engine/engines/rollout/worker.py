@@ -20,7 +20,8 @@ from rl_engine.engines.rollout.kv_cache import POLICIES
 from rl_engine.models.config import Qwen3Config
 from rl_engine.models.qwen3 import Qwen3
 from rl_engine.models.tp import TPGroup
-from rl_engine.runtime import readback, trace_record
+from rl_engine.evidence import layout, records
+from rl_engine.runtime import trace_record
 from rl_engine.runtime.plan import Plan
 from rl_engine.runtime.routing import Router
 
@@ -40,6 +41,7 @@ class RolloutJob:
     page_policy: str = "fragmented"
     run_dir: Path | None = None      # where readbacks go (with run_id); None writes none
     run_id: str | None = None
+    step: int = 0                    # the run's step this rollout serves (readbacks count per step)
     trace_dir: Path | None = None    # record a torch.profiler trace of each rank there
     device: str = "cpu"              # cpu, or cuda: one GPU per rank
     first_gpu: int = 0               # on CUDA rank r takes GPU first_gpu + r
@@ -91,9 +93,10 @@ def rollout_worker(rank: int, world: int, job: RolloutJob) -> dict[str, Any]:
         samples = engine.generate(job.prompts, job.n_samples, job.max_new_tokens, job.seed,
                                   requests=requests)
     if job.run_dir is not None:
-        readback.write(job.run_dir, router, run_id=job.run_id, rank=rank,
-                       extra={"engine_index": engine_index, "tp_rank": tp.rank, "tp_size": tp.size,
-                              "samples": len(samples), **job.extra})
+        records.write_readback(layout.RunDir(job.run_dir), router, run_id=job.run_id, rank=rank,
+                               world_size=world, step=job.step,
+                               extra={"engine_index": engine_index, "tp_rank": tp.rank,
+                                      "tp_size": tp.size, "samples": len(samples), **job.extra})
     return {"rank": rank, "engine": engine_index, "tp_rank": tp.rank,
             "samples": [s.plain() for s in samples], "records": router.module_records(),
             "weights_checksum": engine.weights_checksum()}
