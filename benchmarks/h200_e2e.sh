@@ -2,8 +2,8 @@
 # The GPU end-to-end evidence in one command on a host with two H200s: builds the sm_90a extension,
 # then runs, in order of importance, the IPC collective tests, the IPC-vs-NCCL benchmark, the
 # attention tests and benchmark, strict R/R steps of the `small` model at TP=2 and CP=2 (traced,
-# then the trace gate), the attention gate on two GPUs, the R/R-over-P/P step-time benchmark, the
-# ablation matrix, the attention gate at TP=2, a traced R/R step on one GPU and every CUDA test.
+# then the trace check), the attention parity gate on two GPUs, the R/R-over-P/P step-time benchmark, the
+# ablation matrix, the attention parity gate at TP=2, a traced R/R step on one GPU and every CUDA test.
 # Every step has its own time limit and leaves its log and JSON under $OUT, so a run that is cut
 # short still returns what it finished; steps.tsv says how each step ended.
 #

@@ -15,7 +15,7 @@ on every route, and the parity matrix passes. Triggered by hand (no schedule): g
 | `tests` | `rlk gate tests`: the selected pytest paths; `tests.log` and JUnit XML |
 | `strict-run` | `rlk gate strict-run`: the R/R control with `CI_TEST=1 VALIDATE_ARTIFACTS=1` |
 | `traced-run` | `rlk gate traced-run`: the control with `--trace`, then `rlk trace gate` per side |
-| `production-run` | `rlk gate production-run --trace`: P/P; readbacks production, trace gate baseline |
+| `production-run` | `rlk gate production-run --trace`: P/P; readbacks production, trace check baseline |
 | `matrix` | triggers the `rlk_matrix` DAG (this run's conf) and waits for it, deferred |
 | `archive` | `rlk gate archive`: `gate-archive.json` with every result, manifest, commit, environment |
 

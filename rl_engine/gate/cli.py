@@ -163,7 +163,7 @@ def production_run_cmd(
     gate_dir: Path = GATE_DIR, checkout: Path = CHECKOUT, workload: str = WORKLOAD,
     model_root: Path = MODEL_ROOT, prompt_data: Path = PROMPT_DATA, steps: int = STEPS,
     device: str = DEVICE, timeout: float = TIMEOUT,
-    trace: bool = typer.Option(False, help="also trace it and run the trace gate with the P/P plan"),
+    trace: bool = typer.Option(False, help="also trace it and run the trace check with the P/P plan"),
 ) -> int:
     """The P/P run into GATE_DIR/production-run: every module production on both sides."""
     from rl_engine.gate import runs

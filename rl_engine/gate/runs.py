@@ -114,7 +114,7 @@ def _trace_gates(gate_dir: Path, step: str, run_dir: Path, root: Path, plan: str
         traces = run.trace_files(side)
         if not traces:
             reports[side] = {"passed": False, "problems": [f"no {side} trace files"]}
-            failure = failure or fail(errors.INFRASTRUCTURE, f"trace gate: `rlk run --trace` left no "
+            failure = failure or fail(errors.INFRASTRUCTURE, f"trace check: `rlk run --trace` left no "
                                                              f"{side} trace in {run.trace}")
             continue
         out = gate_dir / f"{step}.trace-gate.{side}.json"
@@ -129,7 +129,7 @@ def _trace_gates(gate_dir: Path, step: str, run_dir: Path, root: Path, plan: str
                          "counts": {k: n for k, n in report.get("counts", {}).items() if n}}
         if code != 0 and failure is None:
             first = (report.get("problems") or [f"exit {code}"])[0]
-            failure = fail(3 if code is None else code, f"trace gate ({side}, plan {plan}): {first}")
+            failure = fail(3 if code is None else code, f"trace check ({side}, plan {plan}): {first}")
     return failure, reports
 
 
@@ -141,7 +141,7 @@ def strict_run(gate_dir: Path, w: Workload, *, checkout: Path | None = None) -> 
 
 
 def traced_run(gate_dir: Path, w: Workload, *, checkout: Path | None = None) -> Result:
-    """The R/R control with --trace, then the trace gate on both sides with the control plan."""
+    """The R/R control with --trace, then the trace check on both sides with the control plan."""
     root = code_root(gate_dir, checkout)
     failure, details = _rlk_run(gate_dir, "traced-run", w, case="R/R", ci_test=True, trace=True, root=root)
     if failure is not None:

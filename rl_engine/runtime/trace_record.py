@@ -1,4 +1,4 @@
-"""`record(trace_dir)`: profile the block and leave a Chrome trace in trace_dir for the trace gate.
+"""`record(trace_dir)`: profile the block and leave a Chrome trace in trace_dir for the trace check.
 
 `rlk run --trace` wraps each worker in it; without a folder it records nothing.
 """

@@ -1,1 +1,1 @@
-"""The trace gate: kernel launches counted by family from profiler traces, checked against a plan."""
+"""The trace check: kernel launches counted by family from profiler traces, checked against a plan."""

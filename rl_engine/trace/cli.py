@@ -56,7 +56,7 @@ def gate_cmd(
     report["trace_files"] = [str(p) for p in gate.trace_files(trace)]
     if output is not None:
         files.write_json(output, report)
-    table = Table(title=f"trace gate: plan {report['cell']} on {device}, world {world_size}, "
+    table = Table(title=f"trace check: plan {report['cell']} on {device}, world {world_size}, "
                         f"sides {', '.join(sides)}")
     for col in ("family", "want", "launches", "ok"):
         table.add_column(col)

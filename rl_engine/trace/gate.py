@@ -1,4 +1,4 @@
-"""The trace gate: did the kernels a plan requires really launch, and nothing it forbids?
+"""The trace check: did the kernels a plan requires really launch, and nothing it forbids?
 
 Launches are counted by family (rl_engine/trace/families.py) from torch.profiler Chrome traces
 (CUDA: kernel events; CPU: `rl_engine::<op>` and `aten::` op events) or Nsight Systems SQLite

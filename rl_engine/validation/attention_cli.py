@@ -59,7 +59,7 @@ def attention_gate(
 
 def _print(report: dict, path: Path) -> None:
     topo = report["topology"]
-    table = Table(title=f"attention gate on {report['device']}: world {report['world_size']} = "
+    table = Table(title=f"attention parity gate on {report['device']}: world {report['world_size']} = "
                         f"TP {topo['tp']} x CP {topo['cp']} x {topo['replicas']} replicas, "
                         f"{report['transport']}, {report['dtype']}, {report['repeats']} repeats")
     for col in ("tensor", "max |diff|", "bitwise", "run to run"):

@@ -1,5 +1,5 @@
 """A bf16 model never hands fp32 operands to rl_engine's GEMMs. On Hopper an fp32 GEMM runs the
-plain fp32 kernel (rlk_det_gemm_f32_kernel, off the tensor cores), so the CUDA trace gate forbids
+plain fp32 kernel (rlk_det_gemm_f32_kernel, off the tensor cores), so the CUDA trace check forbids
 that kernel under R plans; this test is the device-independent half of that rule: one R/R
 training step of the tiny bf16 model (forward, backward, optimizer) in this process, every
 rl_engine op call recorded with the dtypes of its tensor arguments."""

@@ -1,4 +1,4 @@
-"""The trace gate counts launches by kernel family in real torch.profiler traces recorded here on
+"""The trace check counts launches by kernel family in real torch.profiler traces recorded here on
 the CPU and in an Nsight Systems export, and holds each plan to the families it needs and forbids.
 """
 
