@@ -6,11 +6,11 @@ rank-order collective (R) or the process group's native one (P).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from rl_engine.ops import _lib
 from rl_engine.ops import logp as logp_ops
 from rl_engine.runtime.routing import Router
 
@@ -60,11 +60,9 @@ class _RVocabParallelLogp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target, start, tiles, router, tp):
-        with router.kernels("logp"):
-            m, s, t = logp_ops.partial(hidden, weight, target, start, tiles)
+        m, s, t = router.logp_partial("logp", hidden, weight, target, start, tiles)
         roots = router.collective("logp", "all_gather", torch.stack([m, s, t])[None], tp.group)
-        with router.kernels("logp"):
-            logp, lse = logp_ops.combine(roots[:, 0], roots[:, 1], roots[:, 2])
+        logp, lse = router.logp_combine("logp", roots[:, 0], roots[:, 1], roots[:, 2])
         ctx.save_for_backward(hidden, weight, target, lse)
         ctx.start, ctx.router, ctx.tp = start, router, tp
         return logp
@@ -72,9 +70,7 @@ class _RVocabParallelLogp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         hidden, weight, target, lse = ctx.saved_tensors
-        with ctx.router.kernels("logp"):
-            gh, gw = _lib.ops().linear_logp_backward(grad.float().contiguous(), hidden, weight,
-                                                     target, lse, ctx.start)
+        gh, gw = ctx.router.logp_backward("logp", grad, hidden, weight, target, lse, ctx.start)
         gh = ctx.router.collective("logp", "all_reduce", gh, ctx.tp.group)
         return gh.to(hidden.dtype), gw.to(weight.dtype), None, None, None, None, None
 
@@ -86,6 +82,7 @@ class _PVocabParallelLogp(torch.autograd.Function):
     def forward(ctx, hidden, weight, target, start, router, tp):
         import torch.distributed as dist
 
+        router.count_production("logp", "production.torch.log_softmax")
         logits = torch.nn.functional.linear(hidden, weight).float()
         local_max = logits.max(dim=-1).values
         dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=tp.group)
@@ -115,7 +112,6 @@ def selected_logp(router: Router, hidden, weight, target, *, vocab: int, tp: TPG
     if tp.size == 1:
         return router.selected_logp("logp", hidden, weight, target)
     start, _, tiles = logp_ops.shard_range(vocab, tp.rank, tp.size)
-    if router.is_r("logp"):
-        return _RVocabParallelLogp.apply(hidden, weight, target, start, tiles, router, tp)
-    router.records["logp"].call_counts["production.torch.log_softmax"] += 1
-    return _PVocabParallelLogp.apply(hidden, weight, target, start, router, tp)
+    r = functools.partial(_RVocabParallelLogp.apply, hidden, weight, target, start, tiles, router, tp)
+    p = functools.partial(_PVocabParallelLogp.apply, hidden, weight, target, start, router, tp)
+    return router.split("logp", r, p)

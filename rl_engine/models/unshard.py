@@ -8,23 +8,23 @@ import hashlib
 
 import torch
 
-from rl_engine.distributed import collectives
 from rl_engine.models.qwen3 import Qwen3
 from rl_engine.models.tp import TPGroup
 from rl_engine.ops import logp as logp_ops
+from rl_engine.runtime.routing import Router
 
 
 def _gather(t: torch.Tensor, tp: TPGroup, dim: int, sizes: list[int] | None = None, *,
-            fixed: bool = True) -> torch.Tensor:
-    """The TP shards of t concatenated along dim in rank order (sizes: uneven shard lengths);
-    fixed: rl_engine's all-gather, else the process group's (bytes only, the same result)."""
+            router: Router) -> torch.Tensor:
+    """The TP shards of t concatenated along dim in rank order (sizes: uneven shard lengths); the
+    router picks the transport (bytes only, the same result either way)."""
     if tp.size == 1:
         return t
     t = t.movedim(dim, 0).contiguous()
     width = max(sizes) if sizes else t.shape[0]
     padded = t.new_zeros((width, *t.shape[1:]))
     padded[:t.shape[0]] = t
-    parts = collectives.all_gather(padded, tp.group, fixed=fixed).split(width)
+    parts = router.gather_bytes(padded, tp.group).split(width)
     parts = [p[:n] for p, n in zip(parts, sizes)] if sizes else parts
     return torch.cat(parts).movedim(0, dim)
 
@@ -34,7 +34,7 @@ def full_state(model: Qwen3, source: dict[str, torch.Tensor] | None = None) -> d
     model.named_parameters(); default: the model's own weights). A collective over TP."""
     src = {n: p.detach() for n, p in model.named_parameters()} if source is None else source
     c, tp, d = model.config, model.tp, model.config.head_dim
-    gather = functools.partial(_gather, fixed=model.router.any_r())
+    gather = functools.partial(_gather, router=model.router)
     state = {"model.embed_tokens.weight": src["embed"], "model.norm.weight": src["final_norm"]}
     for i in range(c.num_hidden_layers):
         pre, s = f"model.layers.{i}.", (lambda n, i=i: src[f"layers.{i}.{n}"])

@@ -43,6 +43,12 @@ def combine(maxes, sumexps, target_logits):
     return _lib.ops().logp_combine(maxes, sumexps, target_logits)
 
 
+def backward(grad_logp, hidden, weight_shard, target, lse, vocab_start: int):
+    """fp32 (d hidden, d weight_shard) of the selected log-prob, lse being the whole vocab's."""
+    return _lib.ops().linear_logp_backward(grad_logp.float().contiguous(), hidden, weight_shard,
+                                           target, lse, vocab_start)
+
+
 class _DetSelectedLogp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, tile):
@@ -55,8 +61,7 @@ class _DetSelectedLogp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp):
         hidden, weight, target, lse = ctx.saved_tensors
-        gh, gw = _lib.ops().linear_logp_backward(grad_logp.float().contiguous(), hidden, weight,
-                                                 target, lse, 0)
+        gh, gw = backward(grad_logp, hidden, weight, target, lse, 0)
         return gh.to(hidden.dtype), gw.to(weight.dtype), None, None
 
 

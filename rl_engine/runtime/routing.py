@@ -4,6 +4,10 @@ One Router per worker and side. It decides each module's implementation once, be
 in strict mode an R route that cannot run raises RouteUnavailable naming the op and the reason; in
 audit mode it runs the production twin and records fallback=true. Call counts of R routes are the
 deltas of the launch counters kept inside the extension, not the router's own intent.
+
+Every R/P choice is made here: models, engines and gates call a Router method and never an op's
+det_* or production_* function, nor edit a record. An op split over ranks gives the router both of
+its implementations (`split`), built of this router's methods.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from rl_engine.distributed import collectives
+from rl_engine.distributed import collectives, p2p
+from rl_engine.errors import BadInput
 from rl_engine.ops import attention as attn_ops
 from rl_engine.ops import counters, linear, logp, norm, rope, swiglu
 from rl_engine.runtime import requirements
@@ -33,7 +39,7 @@ def trace_range(module: str):
     return torch.profiler.record_function(f"rlk.{module}")
 
 
-class RouteUnavailable(RuntimeError):
+class RouteUnavailable(BadInput, RuntimeError):
     """A strict R route cannot run its rl_engine kernel (exit code 2)."""
 
 
@@ -67,6 +73,7 @@ class Router:
         self.plan, self.side, self.engine = plan, side, engine
         self.device = torch.device(device)
         self.records: dict[str, ModuleRecord] = {}
+        self._counting = False
         for module in MODULES:
             requested = plan.impl(module, side)
             record = ModuleRecord(module=module, case=plan.case(module), requested=requested,
@@ -108,9 +115,18 @@ class Router:
     @contextlib.contextmanager
     def kernels(self, module: str):
         """Attributes the extension launches made inside the block to the module's record; an R
-        block that launched nothing is an error, since its result did not come from our kernels."""
+        block that launched nothing is an error, since its result did not come from our kernels.
+        A block inside another (a routed op recomputed in an R backward that is counted as a
+        whole) counts nothing itself: the outer block counts every launch once."""
+        if self._counting:
+            yield
+            return
         before = counters.read()
-        yield
+        self._counting = True
+        try:
+            yield
+        finally:
+            self._counting = False
         ran = counters.delta(before, counters.read())
         if not ran:
             raise RouteUnavailable(f"module {module}: the R route returned without launching an "
@@ -161,6 +177,92 @@ class Router:
                 with self.kernels(module):
                     return fn(x, group, fixed=True)
             return fn(x, group, fixed=fixed)
+
+    def split(self, module: str, r_fn, p_fn, *args):
+        """An op split over ranks (context-parallel attention, vocab-parallel log-prob): only the
+        caller knows the split, so it gives both implementations and the router picks one. Each is
+        built of this router's methods, which count it: the R one of the R-only ops below and
+        `collective`, the P one of routed ops and `collective`, or it passes p_backend to
+        `count_production` for the torch-native work it does itself."""
+        with trace_range(module):
+            return (r_fn if self.is_r(module) else p_fn)(*args)
+
+    def count_production(self, module: str, p_backend: str) -> None:
+        """Counts one torch-native call of a P route's split op (a P route has no kernel counter);
+        on an R route it is an error, since R calls are read from the kernels' counters."""
+        if self.is_r(module):
+            raise RuntimeError(f"module {module}: a production call was made on its R route")
+        self.records[module].call_counts[p_backend] += 1
+
+    def _r_only(self, module: str, fn, *args):
+        """A kernel of the R route that has no production twin (pieces of a split op)."""
+        if not self.is_r(module):
+            raise RuntimeError(f"module {module}: {fn.__name__} runs only on an R route")
+        with trace_range(module), self.kernels(module):
+            return fn(*args)
+
+    def production_attention(self, module: str, q, k, v, cu_q, cu_k, q_pos, scale: float):
+        """P only: `attention` of one CP rank's queries against K/V gathered over CP. Not noted as
+        query_rows (the caller notes cp_query_rows); on an R route the CP split needs the
+        chunked backward built of the R-only ops instead."""
+        if self.is_r(module):
+            raise RuntimeError(f"module {module}: production attention on its R route")
+        return self._run(module, None, attn_ops.production_attention, "production.sdpa",
+                         q, k, v, cu_q, cu_k, q_pos, scale)
+
+    def attention_lse(self, module: str, q, k, v, cu_q, cu_k, q_pos, scale: float,
+                      block: int = attn_ops.KV_BLOCK_SIZE):
+        """R only: (out, fp32 lse), for a backward that the caller splits into query chunks."""
+        return self._r_only(module, attn_ops.det_attention, q, k, v, cu_q, cu_k, q_pos, scale,
+                            block)
+
+    def attention_backward(self, module: str, grad_out, q, k, v, out, lse, cu_q, cu_k, q_pos,
+                           scale: float, block: int = attn_ops.KV_BLOCK_SIZE):
+        """R only: dq and the fp32 dk/dv partials of these query rows."""
+        return self._r_only(module, attn_ops.det_attention_backward, grad_out, q, k, v, out, lse,
+                            cu_q, cu_k, q_pos, scale, block)
+
+    def sum_in_order(self, module: str, parts: list):
+        """R only: the fp32 sum of parts in list order (the rank-order sum kernel)."""
+        return self._r_only(module, collectives.sum_in_order, parts)
+
+    def logp_partial(self, module: str, hidden, weight, target, start: int, tiles: int):
+        """R only: (max, sumexp, target logit) of one vocab shard's subtree."""
+        return self._r_only(module, logp.partial, hidden, weight, target, start, tiles)
+
+    def logp_combine(self, module: str, maxes, sumexps, target_logits):
+        """R only: (logp, lse) from the shard roots, in shard order."""
+        return self._r_only(module, logp.combine, maxes, sumexps, target_logits)
+
+    def logp_backward(self, module: str, grad, hidden, weight, target, lse, start: int):
+        """R only: fp32 (d hidden, d weight shard) of the selected log-prob."""
+        return self._r_only(module, logp.backward, grad, hidden, weight, target, lse, start)
+
+    def point_to_point(self, module: str, kind: str, x, group, **kwargs):
+        """all_gather / all_to_all over the p2p_reference transport: moves bytes, adds nothing, and
+        is counted under its own backend id (x: a tensor, or the list all_to_all sends)."""
+        first = x[0] if isinstance(x, (list, tuple)) else x
+        self.records[module].call_counts[p2p.backend_id(first)] += 1
+        with trace_range(module):
+            return getattr(p2p, kind)(x, group=group, **kwargs)
+
+    def gather_bytes(self, x, group):
+        """An all-gather outside the modules (full weights from TP shards): it moves bytes only, so
+        its result is the same either way; fixed-order whenever any module is R (see any_r)."""
+        return collectives.all_gather(x, group, fixed=self.any_r())
+
+    def sum_gradients(self, flat, group):
+        """The sum of flat over the gradient group. Fixed (any module R): a reduce-scatter then an
+        all-gather of the reduced shards, the data flow of Megatron's distributed optimizer; every
+        element is still one rank-order fp32 sum, so the bits equal a fixed-order all-reduce."""
+        fixed = self.any_r()
+        world = dist.get_world_size(group)
+        if not fixed or world == 1:
+            return collectives.all_reduce(flat, group, fixed=fixed)
+        n = flat.numel()
+        padded = torch.cat([flat, flat.new_zeros((-n) % world)])
+        shard = collectives.reduce_scatter(padded, group)
+        return collectives.all_gather(shard, group)[:n]
 
     def module_records(self) -> list[dict[str, Any]]:
         return [r.as_dict() for r in self.records.values()]

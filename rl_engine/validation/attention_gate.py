@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.distributed import collectives, p2p
+from rl_engine.distributed import p2p
 from rl_engine.engines.train import layout as layouts
 from rl_engine.engines.train.context_parallel import ContextParallelAttention, RowExchange
 from rl_engine.engines.train.packing import MicroBatch
@@ -154,15 +154,17 @@ def _inputs(cfg: GateConfig) -> dict[str, torch.Tensor]:
             for name, h in shapes.items()}
 
 
-def reference(cfg: GateConfig, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The one-rank computation: whole sequences, every head, one backward call, on x's device."""
+def reference(cfg: GateConfig, x: dict[str, torch.Tensor], router: Router) -> dict[str, torch.Tensor]:
+    """The one-rank computation: whole sequences, every head, one backward call, on x's device.
+    router: a strict one of its own, so the shards' call counts do not include the reference's."""
     dev = x["q"].device
     cu = torch.tensor([0, *torch.tensor(cfg.seq_lens).cumsum(0).tolist()], dtype=torch.int32,
                       device=dev)
     pos = torch.cat([torch.arange(n) for n in cfg.seq_lens]).to(dev)
-    out, lse = attn_ops.det_attention(x["q"], x["k"], x["v"], cu, cu, pos, cfg.scale, cfg.block)
-    dq, dk, dv = attn_ops.det_attention_backward(x["grad_out"], x["q"], x["k"], x["v"], out, lse,
-                                                 cu, cu, pos, cfg.scale, cfg.block)
+    out, lse = router.attention_lse(MODULE, x["q"], x["k"], x["v"], cu, cu, pos, cfg.scale,
+                                    cfg.block)
+    dq, dk, dv = router.attention_backward(MODULE, x["grad_out"], x["q"], x["k"], x["v"], out, lse,
+                                           cu, cu, pos, cfg.scale, cfg.block)
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
 
@@ -171,9 +173,8 @@ def _gather_rows(x, cpa: ContextParallelAttention, transport: str, router: Route
     ex = cpa.exchange
     if transport != p2p.TRANSPORT:  # cpu_ag_rs or cuda_ag_rs: the device comes from x
         return ex.gather(x, router, MODULE)
-    router.records[MODULE].call_counts[p2p.backend_id(x)] += 1
     padded = torch.cat([x, x.new_zeros((ex.width - x.shape[0], *x.shape[1:]))])
-    return p2p.all_gather(padded, group)[ex.index]
+    return router.point_to_point(MODULE, "all_gather", padded, group)[ex.index]
 
 
 def _partials_in_chunk_order(parts, cpa: ContextParallelAttention, owned: list[torch.Tensor],
@@ -188,9 +189,8 @@ def _partials_in_chunk_order(parts, cpa: ContextParallelAttention, owned: list[t
     # p2p: each peer gets only the partials of the key rows it owns: [CP, calls, own rows, ...].
     rank, cp, calls = cpa.exchange.rank, len(owned), cpa.calls_max
     n_own, total = owned[rank].numel(), parts.shape[1]
-    router.records[MODULE].call_counts[p2p.backend_id(parts)] += 1
-    recv = p2p.all_to_all([parts[:, o].contiguous() for o in owned],
-                          (calls, n_own, *parts.shape[2:]), group)
+    recv = router.point_to_point(MODULE, "all_to_all", [parts[:, o].contiguous() for o in owned],
+                                 group, recv_shape=(calls, n_own, *parts.shape[2:]))
     flat = torch.cat([recv.flatten(0, 2), recv.new_zeros((1, *recv.shape[3:]))])
     # Re-address the trainer's index: slot s of global key row g becomes slot s of own row i.
     idx = cpa.dkv_index
@@ -206,25 +206,25 @@ def sharded(cfg: GateConfig, x: dict[str, torch.Tensor], cpa: ContextParallelAtt
     q, g_out = x["q"], x["grad_out"]
     k_all = _gather_rows(x["k"], cpa, transport, router, group)
     v_all = _gather_rows(x["v"], cpa, transport, router, group)
-    with router.kernels(MODULE):
-        out, lse = attn_ops.det_attention(q, k_all, v_all, cpa.cu_q, cpa.cu_k, cpa.q_pos,
-                                          cfg.scale, cfg.block)
+    out, lse = router.attention_lse(MODULE, q, k_all, v_all, cpa.cu_q, cpa.cu_k, cpa.q_pos,
+                                    cfg.scale, cfg.block)
     dq = torch.empty_like(q)
     parts = torch.zeros((cpa.calls_max, k_all.shape[0], 2, *k_all.shape[1:]),
                         device=k_all.device)
-    if cpa.calls:
-        with router.kernels(MODULE):
-            for j, (rows, cu_q, pos) in enumerate(cpa.calls):
-                dq[rows], parts[j, :, 0], parts[j, :, 1] = attn_ops.det_attention_backward(
-                    g_out[rows], q[rows], k_all, v_all, out[rows], lse[rows], cu_q, cpa.cu_k, pos,
-                    cfg.scale, cfg.block)
+    for j, (rows, cu_q, pos) in enumerate(cpa.calls):
+        dq[rows], parts[j, :, 0], parts[j, :, 1] = router.attention_backward(
+            MODULE, g_out[rows], q[rows], k_all, v_all, out[rows], lse[rows], cu_q, cpa.cu_k, pos,
+            cfg.scale, cfg.block)
     ordered = _partials_in_chunk_order(parts, cpa, owned, transport, router, group)
     if ordered.shape[0] > 1:
-        with router.kernels(MODULE):
-            dkv = collectives.sum_in_order(list(ordered))
+        dkv = router.sum_in_order(MODULE, list(ordered))
     else:
         dkv = ordered[0]
     return {"out": out, "lse": lse, "dq": dq, "dk": dkv[:, 0], "dv": dkv[:, 1]}
+
+
+def _strict_router(device) -> Router:
+    return Router(Plan(mode="strict"), side="training", engine="builtin", device=device)
 
 
 def gate_worker(rank: int, world: int, cfg: GateConfig) -> dict[str, Any]:
@@ -236,7 +236,7 @@ def gate_worker(rank: int, world: int, cfg: GateConfig) -> dict[str, Any]:
     dev = rank_device(cfg.device)
     lay = layouts.build(cfg.tp, cfg.cp, cfg.replicas)
     full = _inputs(cfg)  # on the CPU: the same bits on every device
-    ref = reference(cfg, {name: t.to(dev) for name, t in full.items()})
+    ref = reference(cfg, {name: t.to(dev) for name, t in full.items()}, _strict_router(dev))
     mb = MicroBatch(list(cfg.seq_lens), cfg.cp, cfg.block)
     owned = [mb.rows(r) for r in range(cfg.cp)]
     owned_dev = [o.to(dev) for o in owned]
@@ -253,7 +253,7 @@ def gate_worker(rank: int, world: int, cfg: GateConfig) -> dict[str, Any]:
                            "process_group_backend": str(dist.get_backend(lay.cp_group)),
                            "reference_digest": digest(ref), "transports": {}}
     for transport in cfg.transports:
-        router = Router(Plan(mode="strict"), side="training", engine="builtin", device=dev)
+        router = _strict_router(dev)
         ex = RowExchange(owned, torch.arange(mb.total), lay.cp_rank, lay.cp_group, device=dev)
         cpa = ContextParallelAttention(router, mb, ex, cfg.scale)
         runs = [sharded(cfg, x, cpa, owned_dev, transport, router, lay.cp_group)
@@ -328,7 +328,7 @@ def check_routes(device: str = "cpu") -> None:
     (no GPU visible, a GPU that is not Hopper, kernels not built)."""
     if device == "cuda" and not torch.cuda.is_available():
         raise BadInput("--device cuda: no CUDA device is visible; use --device cpu")
-    Router(Plan(mode="strict"), side="training", engine="builtin", device=device)
+    _strict_router(device)
 
 
 def check_device(cfg: GateConfig) -> None:

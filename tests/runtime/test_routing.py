@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from rl_engine.ops import counters
@@ -84,3 +85,47 @@ def test_route_line_is_logged_once_per_module(caplog):
     lines = [r.getMessage() for r in caplog.records if "[rl-engine][route]" in r.getMessage()]
     assert len(lines) == 3
     assert any("module=ffn requested=R actual=R fallback=false" in line for line in lines)
+
+
+def test_a_split_op_runs_the_routes_implementation_and_counts_it_once():
+    """An op split over ranks hands the router both implementations; the record shows only the
+    chosen one's calls: kernel launches on R, one production call on P."""
+    x = {"q": torch.randn(8, 2, 32, dtype=torch.bfloat16), "k": torch.randn(8, 1, 32, dtype=torch.bfloat16)}
+    cu, pos = torch.tensor([0, 8], dtype=torch.int32), torch.arange(8)
+
+    def r_fn(router):
+        return "R", router.attention_lse("attention", x["q"], x["k"], x["k"], cu, cu, pos, 0.125)
+
+    def p_fn(router):
+        router.count_production("attention", "production.sdpa")
+        return "P", None
+
+    r = Router(Plan(), side="training", engine="builtin")
+    assert r.split("attention", r_fn, p_fn, r)[0] == "R"
+    assert r.records["attention"].call_counts == {"rlkernel.attention.cpu.v1": 1}
+    p = Router(Plan(attention="P/P"), side="training", engine="builtin")
+    assert p.split("attention", r_fn, p_fn, p)[0] == "P"
+    assert p.records["attention"].call_counts == {"production.sdpa": 1}
+
+
+def test_a_route_cannot_run_the_other_routes_pieces():
+    p = Router(Plan(attention="P/P"), side="training", engine="builtin")
+    with pytest.raises(RuntimeError, match="runs only on an R route"):
+        p.sum_in_order("attention", [torch.ones(3), torch.ones(3)])
+    r = Router(Plan(), side="training", engine="builtin")
+    with pytest.raises(RuntimeError, match="production call was made on its R route"):
+        r.count_production("attention", "production.sdpa")
+    assert p.records["attention"].call_counts == r.records["attention"].call_counts == {}
+
+
+def test_a_routed_op_inside_a_counted_block_is_counted_once():
+    """An R backward recomputes a routed op inside its own counted block (the CP weight taps):
+    each launch appears once in the record, as the kernels' counters saw it."""
+    router = Router(Plan(), side="training", engine="builtin")
+    x, w = torch.randn(5, 16, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)
+    before = counters.read()
+    with router.kernels("ffn"):
+        router.linear("ffn", x, w)
+        router.linear("ffn", x, w)
+    assert counters.delta(before, counters.read()) == {("det_gemm", "cpu"): 2}
+    assert router.records["ffn"].call_counts == {"rlkernel.det_gemm.cpu.v1": 2}

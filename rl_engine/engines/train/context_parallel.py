@@ -17,16 +17,13 @@ which the fixed-order CP x DP all-reduce adds exactly. P routes keep per-rank pa
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from rl_engine.distributed import collectives
 from rl_engine.engines.train.packing import MicroBatch
-from rl_engine.ops import attention as attn_ops
-from rl_engine.ops import linear as linear_ops
-from rl_engine.ops import norm as norm_ops
 from rl_engine.runtime.routing import Router
 
 
@@ -130,14 +127,15 @@ class ContextParallelAttention:
                           .to(dev))
 
     def attend(self, layer, q, k, v):
+        return self.router.split("attention", _RContextParallelAttention.apply, self._production,
+                                 q, k, v, self)
+
+    def _production(self, q, k, v, _):
         r = self.router
-        if r.is_r("attention"):
-            return _RContextParallelAttention.apply(q, k, v, self)
         k_all = GatherRows.apply(k, self.exchange, r, "attention", False)
         v_all = GatherRows.apply(v, self.exchange, r, "attention", False)
-        r.records["attention"].call_counts["production.sdpa"] += 1
-        return attn_ops.production_attention(q, k_all, v_all, self.cu_q, self.cu_k, self.q_pos,
-                                             self.scale)
+        return r.production_attention("attention", q, k_all, v_all, self.cu_q, self.cu_k,
+                                      self.q_pos, self.scale)
 
 
 class _RContextParallelAttention(torch.autograd.Function):
@@ -145,9 +143,8 @@ class _RContextParallelAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cpa):
         r, ex = cpa.router, cpa.exchange
         k_all, v_all = ex.gather(k, r, "attention"), ex.gather(v, r, "attention")
-        with r.kernels("attention"):
-            out, lse = attn_ops.det_attention(q, k_all, v_all, cpa.cu_q, cpa.cu_k, cpa.q_pos,
-                                              cpa.scale)
+        out, lse = r.attention_lse("attention", q, k_all, v_all, cpa.cu_q, cpa.cu_k, cpa.q_pos,
+                                   cpa.scale)
         ctx.save_for_backward(q, k_all, v_all, out, lse)
         ctx.cpa, ctx.kv_dtype = cpa, k.dtype
         return out
@@ -160,20 +157,15 @@ class _RContextParallelAttention(torch.autograd.Function):
         dq = torch.empty_like(q)
         parts = torch.zeros((cpa.calls_max, *k_all.shape[:1], 2, *k_all.shape[1:]),
                             device=k_all.device)
-        if cpa.calls:
-            with r.kernels("attention"):
-                for j, (rows, cu_q, pos) in enumerate(cpa.calls):
-                    dq_j, dk_j, dv_j = attn_ops.det_attention_backward(
-                        grad_out[rows], q[rows], k_all, v_all, out[rows], lse[rows], cu_q, cpa.cu_k,
-                        pos, cpa.scale)
-                    dq[rows] = dq_j
-                    parts[j, :, 0], parts[j, :, 1] = dk_j, dv_j
+        for j, (rows, cu_q, pos) in enumerate(cpa.calls):
+            dq[rows], parts[j, :, 0], parts[j, :, 1] = r.attention_backward(
+                "attention", grad_out[rows], q[rows], k_all, v_all, out[rows], lse[rows], cu_q,
+                cpa.cu_k, pos, cpa.scale)
         gathered = r.collective("attention", "all_gather", parts, cpa.exchange.group)
         flat = torch.cat([gathered.flatten(0, 1), gathered.new_zeros((1, *gathered.shape[2:]))])
         ordered = flat[cpa.dkv_index]  # [chunks, own key rows, 2, Hkv, D]
         if ordered.shape[0] > 1:
-            with r.kernels("attention"):
-                dkv = collectives.sum_in_order(list(ordered))
+            dkv = r.sum_in_order("attention", list(ordered))
         else:
             dkv = ordered[0]
         return dq, dkv[:, 0].to(ctx.kv_dtype), dkv[:, 1].to(ctx.kv_dtype), None
@@ -255,10 +247,10 @@ class RowOrderedRouter(Router):
         if bias is not None or not self._tapping(module, w):
             return super().linear(module, x, w, bias)
         y = super().linear(module, x, w.detach())
-        return self.tap(module, y, w, (x,), linear_ops.det_linear)
+        return self.tap(module, y, w, (x,), functools.partial(Router.linear, self, module))
 
     def rmsnorm(self, module, x, w, eps):
         if not self._tapping(module, w):
             return super().rmsnorm(module, x, w, eps)
-        fn = lambda x_, w_: norm_ops.det_rmsnorm(x_, w_, eps)  # noqa: E731
+        fn = lambda x_, w_: Router.rmsnorm(self, module, x_, w_, eps)  # noqa: E731
         return self.tap(module, super().rmsnorm(module, x, w.detach(), eps), w, (x,), fn)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rl_engine.distributed import collectives
 from rl_engine.engines.launch import DEVICES, rank_device
 from rl_engine.engines.train import layout as layout_mod
 from rl_engine.engines.train import loss
@@ -28,7 +27,7 @@ from rl_engine.models.qwen3 import Qwen3
 from rl_engine.models.unshard import full_state, state_checksum
 from rl_engine.models.tp import TPGroup
 from rl_engine.ops.attention import KV_BLOCK_SIZE
-from rl_engine.runtime.plan import MODULES, Plan
+from rl_engine.runtime.plan import Plan
 from rl_engine.runtime.routing import Router
 
 
@@ -84,7 +83,6 @@ class Trainer:
         self.grads: dict[str, torch.Tensor] = {}
         self.steps = 0
         self.scale = model_config.head_dim ** -0.5
-        self.fixed = any(self.router.is_r(m) for m in MODULES)
 
     # -- one step -----------------------------------------------------------------------------
     def step(self, samples: list[Sample]) -> StepResult:
@@ -163,21 +161,9 @@ class Trainer:
                                                      lay.tp_group)
         names = list(main)
         flat = torch.cat([main[n].flatten() for n in names])
-        flat = self._sync_grads(flat, lay.grad_group)
+        flat = self.router.sum_gradients(flat, lay.grad_group)
         for n, part in zip(names, flat.split([main[n].numel() for n in names])):
             main[n] = part.view_as(main[n])
-
-    def _sync_grads(self, flat: torch.Tensor, group) -> torch.Tensor:
-        """The sum of flat over the gradient group. Fixed: a reduce-scatter then an all-gather of
-        the reduced shards, the data flow of Megatron's distributed optimizer; every element is
-        still one rank-order fp32 sum, so the bits equal a fixed-order all-reduce."""
-        world = dist.get_world_size(group)
-        if not self.fixed or world == 1:
-            return collectives.all_reduce(flat, group, fixed=self.fixed)
-        n = flat.numel()
-        padded = torch.cat([flat, flat.new_zeros((-n) % world)])
-        shard = collectives.reduce_scatter(padded, group)
-        return collectives.all_gather(shard, group)[:n]
 
     @torch.no_grad()
     def _adamw(self, main: dict[str, torch.Tensor]) -> None:
