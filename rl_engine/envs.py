@@ -13,7 +13,9 @@ from typing import Any, Callable
 
 
 class SettingError(ValueError):
-    """A setting holds a value that cannot be used; the message names the variable and the fix."""
+    """A setting holds a value that cannot be used; the message names the variable and the fix.
+    A ValueError, not errors.BadInput: this module sits above errors.py and imports nothing of the
+    project; exit_code_for maps any ValueError to exit code 2."""
 
 
 def _choice(name: str, default: str, allowed: tuple[str, ...]) -> Callable[[], str]:

@@ -31,15 +31,12 @@ class ParityFailure(RlkError):
 
 
 def exit_code_for(exc: BaseException) -> int:
-    """Maps any exception to the contract's exit code."""
-    from rl_engine.artifacts.ids import BadId
-    from rl_engine.envs import SettingError
-    from rl_engine.runtime.plan import PlanError
-    from rl_engine.runtime.routing import RouteUnavailable
-
+    """Maps any exception to the contract's exit code. The project's own bad-input errors (a bad
+    plan, id or route) are BadInput subclasses, so this module needs nothing from the packages
+    that raise them; a ValueError or a missing or existing file from anywhere else is bad input too
+    (settings raise a ValueError: envs.py sits above this module and cannot import it)."""
     if isinstance(exc, RlkError):
         return exc.exit_code
-    if isinstance(exc, (PlanError, BadId, SettingError, RouteUnavailable, FileNotFoundError,
-                        FileExistsError, ValueError)):
+    if isinstance(exc, (FileNotFoundError, FileExistsError, ValueError)):
         return BAD_INPUT
     return INFRASTRUCTURE

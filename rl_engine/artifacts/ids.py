@@ -6,10 +6,12 @@ import re
 import secrets
 from datetime import datetime, timezone
 
+from rl_engine.errors import BadInput
+
 _ID = re.compile(r"[A-Za-z0-9._-]+")
 
 
-class BadId(ValueError):
+class BadId(BadInput, ValueError):
     """An id that could escape its folder or is not `[A-Za-z0-9._-]+`."""
 
 

@@ -10,6 +10,7 @@ import dataclasses
 from typing import Literal
 
 from rl_engine import envs
+from rl_engine.errors import BadInput
 
 MODULES: tuple[str, ...] = ("attention", "ffn", "logp")
 CASES: tuple[str, ...] = ("P/P", "P/R", "R/P", "R/R")
@@ -22,7 +23,7 @@ ALL_CELLS: tuple[str, ...] = ("control", *ISOLATION_CELLS, "baseline")
 Side = Literal["training", "rollout"]
 
 
-class PlanError(ValueError):
+class PlanError(BadInput, ValueError):
     """A case, cell or mode that is not one of the allowed values (exit code 2)."""
 
 
