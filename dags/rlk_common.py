@@ -110,6 +110,40 @@ def params() -> dict[str, Param]:
     }
 
 
+def check_keys(conf: dict[str, Any], declared: dict[str, Any]) -> None:
+    """Refuse keys the trigger form does not declare: Airflow merges any conf key into the params,
+    so a misspelt one (``cell`` for ``cells``) would otherwise be ignored and the run use defaults."""
+    unknown = sorted(set(conf) - set(declared))
+    if unknown:
+        raise ValueError(f"unknown conf keys {unknown}; the keys are {', '.join(sorted(declared))}")
+
+
+def layout_gpus(conf: dict[str, Any]) -> int:
+    """The GPUs one cell's ranks take on one host: the trainer's and the rollout's, which share
+    them when colocated (the default). Imports rl_engine, so it is for tasks, never parsing."""
+    from rl_engine.step.config import StepConfig
+
+    overrides = {name: int(conf[name]) for name in LAYOUT_FIELDS if conf.get(name) is not None}
+    layout = StepConfig.resolve(conf.get("workload") or "default", **overrides)
+    return max(layout.actor_gpus, layout.rollout_gpus)
+
+
+def job_resources(conf: dict[str, Any], gpus: int) -> dict[str, Any]:
+    """What a job running ``gpus`` CUDA ranks asks of Ray, as RayJobOperator arguments.
+
+    launcher local: the ranks are processes of the job, so the job itself asks for the GPUs (and
+    Ray places it on a node that has them). launcher ray: each rank is an actor that asks for its
+    own GPU, so the job's driver asks for none (it would hold them from its ranks), but one node
+    must still hold them all (the CUDA ranks of a cell share memory, so they share a host).
+    """
+    # 0 and {}, never None: a task's None XCom is not stored, and pulling it fails.
+    if (conf.get("device") or "cpu") != "cuda":
+        return {"num_gpus": 0, "cluster_needs": {}}
+    if (conf.get("launcher") or "ray") == "local":
+        return {"num_gpus": gpus, "cluster_needs": {}}
+    return {"num_gpus": 0, "cluster_needs": {"GPU": gpus}}
+
+
 def selected_cells(conf: dict[str, Any]) -> list[str]:
     """The cells after the control, in catalogue order, each once."""
     chosen = set(conf.get("cells") or ())

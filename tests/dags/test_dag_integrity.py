@@ -86,10 +86,12 @@ def test_matrix_dag_shape(matrix):
     def down(task_id):
         return set(matrix.get_task(task_id).downstream_task_ids)
 
-    assert down("prepare") >= {"preflight", "control", "cell", "aggregate"}
-    assert down("preflight") == {"control"} and down("control") == {"cell"}
+    assert down("prepare") >= {"preflight", "control", "release_cells", "aggregate"}
+    assert down("preflight") == {"control", "release_cells"}
+    assert down("control") == down("release_cells") == {"cell"}
     assert down("cell") == {"aggregate"} and down("aggregate") == {"verdict"}
     cell = matrix.get_task("cell")
+    assert cell.trigger_rule == TriggerRule.ALL_DONE_MIN_ONE_SUCCESS
     assert cell.is_mapped and cell.max_active_tis_per_dagrun == 1
     assert "rlk_options['case']" in cell.partial_kwargs["map_index_template"]
     for task_id in ("preflight", "control"):
@@ -179,6 +181,55 @@ def test_catalogue_and_sanitize_agree_with_rl_engine():
         ids.check_id(common.sanitize(raw))
     with pytest.raises(ValueError, match="history"):
         common.matrix_root(Path("/base"), "history")
+
+
+class _TI:
+    def __init__(self):
+        self.pushed = {}
+
+    def xcom_push(self, key, value):
+        self.pushed[key] = value
+
+
+def test_unknown_conf_keys_fail_the_first_task_without_retry(matrix, clean_settings, tmp_path):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    clean_settings.setenv("RLK_MATRIX_ROOT", str(tmp_path))
+    prepare = matrix.get_task("prepare").python_callable
+    params = _validate(matrix, cells=["ffn-PR"], workload="ci")
+    assert prepare(params=params, run_id="r1", ti=_TI()) == [
+        common_options(params, tmp_path / "r1", "ffn-PR")]
+    # "cell" for "cells": Airflow merges it into the params; the run would use every default.
+    with pytest.raises(AirflowFailException, match=r"unknown conf keys \['cell'\].*cells"):
+        prepare(params={**params, "cell": ["ffn-PR"]}, run_id="r1", ti=_TI())
+
+
+def common_options(conf, root, cell):
+    import rlk_common as common
+
+    return common.run_options(conf, root, cell)
+
+
+@pytest.mark.parametrize("launcher, cell_gpus, needs", [("local", 4, {}), ("ray", 0, {"GPU": 4})])
+def test_cuda_jobs_ask_ray_for_the_layouts_gpus(matrix, clean_settings, tmp_path, launcher, cell_gpus,
+                                                needs):
+    clean_settings.setenv("RLK_MATRIX_ROOT", str(tmp_path))
+    prepare = matrix.get_task("prepare").python_callable
+    ti = _TI()
+    prepare(params=_validate(matrix, device="cuda", launcher=launcher), run_id="r1", ti=ti)
+    # The default workload: TP=2 x CP=2 trainer ranks, 2 engines of TP=2, colocated: 4 GPUs.
+    assert (ti.pushed["cell_num_gpus"], ti.pushed["cell_cluster_needs"]) == (cell_gpus, needs)
+    assert ti.pushed["preflight_gpus"] == 1
+    ti = _TI()
+    prepare(params=_validate(matrix, device="cpu"), run_id="r1", ti=ti)
+    assert (ti.pushed["cell_num_gpus"], ti.pushed["cell_cluster_needs"]) == (0, {})
+    assert ti.pushed["preflight_gpus"] == 0
+    for task_id in ("control", "cell"):
+        task = matrix.get_task(task_id)
+        kwargs = task.partial_kwargs if task.is_mapped else vars(task)
+        # The operators read those very XComs (a wrong key would pull nothing: no GPU asked).
+        assert "key='cell_num_gpus'" in str(kwargs["num_gpus"])
+        assert "key='cell_cluster_needs'" in str(kwargs["cluster_needs"])
 
 
 def _report(tmp_path: Path, passed: bool) -> dict:

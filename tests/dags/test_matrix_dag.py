@@ -84,7 +84,8 @@ def test_matrix_dag_runs_cells_as_ray_jobs_and_a_cleared_cell_adds_an_attempt(tm
     first = seen["first"]
     assert first["state"] == "success", first["tasks"]
     tasks = _by_task(first["tasks"])
-    assert set(tasks) == {"prepare", "preflight", "control", "cell", "aggregate", "verdict"}
+    assert set(tasks) == {"prepare", "preflight", "control", "release_cells", "cell", "aggregate",
+                          "verdict"}
     assert all(t["state"] == "success" for t in first["tasks"]), first["tasks"]
     assert tasks["cell"]["label"] == CELL
 
@@ -122,3 +123,59 @@ def test_matrix_dag_runs_cells_as_ray_jobs_and_a_cleared_cell_adds_an_attempt(tm
     cell = report["cells"][1]
     assert cell["latest"]["attempt_id"] == attempts[1] and len(cell["attempts"]) == 1
     assert len(seen["asset_events"]) == 2
+
+
+OUTCOMES = textwrap.dedent('''
+    import json, sys
+    from pathlib import Path
+    from rl_engine.stack import airflow_home, demo
+
+    state, out = Path(sys.argv[1]), Path(sys.argv[2])
+    airflow_home.prepare(state, ray_address="http://127.0.0.1:9")  # no Ray: jobs are faked
+    from airflow.sdk.exceptions import AirflowFailException
+    from rlk_ray.operators import RayJobOperator
+
+    failing = set()
+
+    def execute(self, context):  # a Ray job that exits 1 (parity) for the failing tasks, else 0
+        if self.task_id in failing:
+            raise AirflowFailException(f"Ray job {self.task_id} failed with exit code 1")
+        return "sid"
+
+    RayJobOperator.execute = execute
+    seen = {}
+    for name, fail, conf in (("control", {"control"}, {"cells": ["ffn-PR", "logp-PP"]}),
+                             ("preflight", {"preflight"}, {"cells": ["ffn-PR"]}),
+                             ("typo", set(), {"cell": ["ffn-PR"]})):
+        failing.clear()
+        failing.update(fail)
+        run = demo.trigger({**conf, "workload": "ci"})
+        seen[name] = {f"{t.task_id}{'' if t.map_index < 0 else t.map_index}": [str(t.state), t.try_number]
+                      for t in run.get_task_instances()}
+    out.write_text(json.dumps(seen))
+''')
+
+
+def test_the_cells_run_when_the_control_fails_but_not_when_the_preflight_does(tmp_path):
+    """The trigger rules on a real metadata database (dag.test, about 15 s); the Ray jobs are
+    faked by their exit: 1 (parity failure) for the failing task, 0 for the others."""
+    out = tmp_path / "seen.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+    env["RLK_MATRIX_ROOT"] = str(tmp_path / "matrix-runs")
+    done = subprocess.run([sys.executable, "-c", OUTCOMES, str(tmp_path / "state"), str(out)],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    seen = json.loads(out.read_text())
+    # A failed control is when the isolation cells are needed: both ran.
+    control = seen["control"]
+    assert control["control"][0] == "failed"
+    assert control["cell0"][0] == control["cell1"][0] == "success", control
+    # A failed preflight: nothing could run, so no cell was started.
+    preflight = seen["preflight"]
+    assert preflight["preflight"][0] == "failed"
+    assert {state for task, (state, _) in preflight.items() if task.startswith("cell")} == {"upstream_failed"}
+    # A misspelt conf key fails the first task at its first try, and nothing runs.
+    typo = seen["typo"]
+    assert typo["prepare"] == ["failed", 1], typo
+    assert typo["preflight"][0] == "upstream_failed"
+    assert typo["aggregate"] == ["failed", 1], "aggregate retried what cannot change"
