@@ -86,7 +86,8 @@ def _describe(root: Path) -> dict[str, Any]:
 
 
 def _clone(repo: str, root: Path, commit: str) -> Result | None:
-    clone = _git("clone", "--quiet", "--no-checkout", repo, str(root), timeout=3600)
+    # "--": a repository that reads as an option (--upload-pack=...) is still a repository.
+    clone = _git("clone", "--quiet", "--no-checkout", "--", repo, str(root), timeout=3600)
     if clone.returncode:
         msg = (clone.stderr.strip().splitlines() or ["no output"])[-1]
         missing = re.search(r"does not exist|not found|not a git repository|not appear to be a git",
