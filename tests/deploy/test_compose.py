@@ -1,6 +1,7 @@
 """docker-compose.yaml: valid against the Compose Specification's JSON schema (vendored in
 compose-spec.json, see README.md here), and the deployment rules it promises: secrets only from
-.env through env_file, the UI on the loopback only, a GPU reserved for the GPU worker, every image
+.env through env_file, the UI on the loopback only, Ray's token required and sent, the GPU workers
+sized to the layout and offering Ray what they reserve, every image
 built from docker/Dockerfile, which installs requirements.lock, shared volumes where they must be.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -109,14 +111,46 @@ def test_ports_are_published_on_the_loopback_only(compose):
             assert published(port)[0] == "127.0.0.1", f"{name} publishes {port} beyond the loopback"
 
 
-def test_the_gpu_worker_reserves_a_gpu(compose):
+def _default(value) -> str:
+    """What Compose makes of ``${NAME:-default}`` when NAME is unset."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(value))
+
+
+def test_the_gpu_workers_offer_ray_the_gpus_they_reserve_enough_for_the_default_layout(compose):
+    sys.path.insert(0, str(ROOT / "dags"))
+    import rlk_common as common
+
     worker = compose["services"]["ray-gpu-worker"]
-    devices = worker["deploy"]["resources"]["reservations"]["devices"]
-    assert any(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])
-               and (d.get("count") in ("all",) or int(d.get("count", 0)) >= 1 or d.get("device_ids"))
-               for d in devices)
-    assert "--num-gpus=1" in worker["command"] and "--address=ray-head:6379" in worker["command"]
-    assert worker["build"]["args"]["VARIANT"] == "cuda"
+    (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    offered = next(a for a in worker["command"] if a.startswith("--num-gpus="))
+    # One setting sizes both: Ray offers exactly the GPUs the container reserved.
+    assert device["count"] == offered.split("=", 1)[1] == "${RLK_GPUS_PER_WORKER:-4}"
+    assert worker["deploy"]["replicas"] == "${RLK_GPU_WORKERS:-1}"
+    assert "--address=ray-head:6379" in worker["command"] and worker["build"]["args"]["VARIANT"] == "cuda"
+    head = compose["services"]["ray-head"]["command"]
+    assert "--num-gpus=0" in head  # so a job asking for GPUs can only land on a GPU worker
+    # What the DAG's CUDA jobs ask Ray for, with the default workload, fits one default worker:
+    # the ranks' processes take the job's GPUs (launcher local), or one node must hold them (ray).
+    gpus = common.layout_gpus({"workload": "default"})
+    local = common.job_resources({"device": "cuda", "launcher": "local"}, gpus)
+    actors = common.job_resources({"device": "cuda", "launcher": "ray"}, gpus)
+    assert local["num_gpus"] == actors["cluster_needs"]["GPU"] == gpus
+    assert 1 <= gpus <= int(_default(device["count"]))
+
+
+def test_ray_requires_its_token_and_airflow_sends_it(compose):
+    secret = compose["secrets"]["ray_auth_token"]["file"]
+    assert secret.startswith("./secrets/") and "/secrets/" in (ROOT / ".gitignore").read_text().splitlines()
+    for name in RAY_SERVICES:
+        service = compose["services"][name]
+        assert service["environment"]["RAY_AUTH_MODE"] == "token", name
+        assert service["environment"]["RAY_AUTH_TOKEN_PATH"] == "/run/secrets/ray_auth_token", name
+        assert service["secrets"] == ["ray_auth_token"], name
+    for name in AIRFLOW_SERVICES:
+        service = compose["services"][name]
+        assert service["environment"]["RAY_AUTH_TOKEN_PATH"] == "/run/secrets/ray_auth_token", name
+        assert "ray_auth_token" in service["secrets"], name
 
 
 def test_images_are_built_from_the_dockerfile_that_installs_the_lock(compose):
