@@ -116,6 +116,7 @@ def inside_checkout(path: str) -> str:
 
 
 def params_of_the_form() -> dict[str, Param]:
+    """``params()`` under a name a task's own ``params`` argument does not hide."""
     return params()
 
 
@@ -177,8 +178,9 @@ with DAG(
         log.info("gate folder %s; matrix root %s; repository %s", gate, matrix_root,
                  options["checkout"]["repo"])
         runs = common.job_resources(conf, gpus)
-        # On CUDA the build, the tests and the runs happen where the GPUs are.
-        tools = common.job_resources(conf, 1 if gpus else 0)
+        # On CUDA the build and the tests need a GPU of their own job, whatever the launcher: the
+        # build compiles for it and installs into that node's environment.
+        tools = {"num_gpus": 1 if gpus else 0, "cluster_needs": {}}
         return {
             **options,
             **{f"{step}_{key}": value for step in GPU_STEPS

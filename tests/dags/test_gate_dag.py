@@ -184,6 +184,7 @@ def test_cuda_gate_steps_ask_ray_for_gpus(prepare):
     assert out["strict-run_num_gpus"] == 2 and out["build_num_gpus"] == 1 and out["tests_num_gpus"] == 1
     out = prepare(device="cuda", workload="ci", launcher="ray")
     assert out["strict-run_num_gpus"] == 0 and out["strict-run_cluster_needs"] == {"GPU": 2}
+    assert out["build_num_gpus"] == 1  # the build runs on a GPU node whatever the launcher
 
 
 def test_git_clone_ends_its_options_before_the_repository(tmp_path, monkeypatch):
