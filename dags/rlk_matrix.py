@@ -150,8 +150,10 @@ with DAG(
             raise AirflowFailException("prepare failed (see its log): there is no matrix to judge")
         cases = ti.xcom_pull(task_ids="prepare", key="cases")
         history_root = ti.xcom_pull(task_ids="prepare", key="history_root")
+        from rl_engine.evidence.layout import MatrixRoot
+
         root = Path(matrix_root)
-        report = root / "matrix-report.json"
+        report = MatrixRoot(root).report
         if not root.is_dir():
             raise AirflowFailException(f"matrix root {root} was never created: no cell ran")
         cmd = [sys.executable, "-m", "rl_engine.cli", "matrix", "analyze", "--matrix-root", str(root),

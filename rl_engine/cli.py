@@ -56,6 +56,8 @@ def run(
     device: str = typer.Option("cpu", help="cpu or cuda"),
     colocate: bool = typer.Option(True, help="training and rollout share GPUs, one after the other; "
                                              "--no-colocate puts rollout on the next ROLLOUT_GPUS"),
+    trainer: str = typer.Option(None, help="the trainer (RLK_TRAINER): builtin"),
+    rollout_engine: str = typer.Option(None, help="the rollout engine (RLK_ROLLOUT_ENGINE): builtin"),
 ) -> int:
     """Run post-training steps under the plan of RL_KERNEL_*_CASE (default: the R/R control)."""
     from rl_engine import envs
@@ -68,7 +70,8 @@ def run(
         workload, steps=steps, tp=tp, cp=cp, actor_gpus=actor_gpus, rollout_gpus=rollout_gpus,
         rollout_gpus_per_engine=rollout_gpus_per_engine, rollout_batch_size=rollout_batch_size,
         n_samples_per_prompt=n_samples_per_prompt, max_response_len=max_response_len,
-        max_tokens_per_gpu=max_tokens_per_gpu, seed=seed, device=device, colocate=colocate)
+        max_tokens_per_gpu=max_tokens_per_gpu, seed=seed, device=device, colocate=colocate,
+        trainer=trainer, rollout_engine=rollout_engine)
     rid, root = resolve_run(run_id, artifact_dir)
     return execute(config=config, plan=plan, run_id=rid, root=root,
                    model_root=model_root or envs.MODEL_ROOT, prompt_file=prompt_data or envs.PROMPT_DATA,

@@ -96,6 +96,10 @@ _SETTINGS: dict[str, Callable[[], Any]] = {
     # strict (an R route that cannot run fails before work) or audit (it runs the production twin
     # and records fallback=true; an audit run never passes a strict validation).
     "RLK_MODE": _choice("RLK_MODE", "strict", ("strict", "audit")),
+    # The engines of each side (`rlk run --trainer / --rollout-engine`): their ids go into the
+    # manifest and name every readback file.
+    "RLK_TRAINER": _choice("RLK_TRAINER", "builtin", ("builtin",)),
+    "RLK_ROLLOUT_ENGINE": _choice("RLK_ROLLOUT_ENGINE", "builtin", ("builtin",)),
     # Seconds a worker group may take to start before the launcher gives up (exit 3).
     "RLK_WORKER_START_TIMEOUT": _int("RLK_WORKER_START_TIMEOUT", 300),
     # Runbook variables: the operator plan, one case per module (P/P, P/R, R/P, R/R).

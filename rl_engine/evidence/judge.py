@@ -268,6 +268,8 @@ def _finished(run: layout.RunDir, run_id, data: dict[str, Any], problems: list[s
         problems.append(f"no {run.exit_code.name}: the run did not finish")
     except (OSError, ValueError):
         problems.append(f"{run.exit_code.name} is malformed")
+    if code not in (None, 0, 1):
+        problems.append(f"rlk run exited {code}")
     if not run.log.is_file():
         problems.append(f"no {run.log.name}")
     for path in (run.log, run.console_log):

@@ -154,7 +154,7 @@ for c in preflight.run(Plan(), sys.argv[1]):
 from rl_engine.ops import _lib
 if _lib.available():
     from rl_engine import _C
-    from rl_engine.runtime.readback import kernel_totals
+    from rl_engine.evidence.records import kernel_totals
     ops = _lib.ops()
     out["extension"] = {"file": _C.__file__, "flags": json.loads(ops.build_info()),
                         "sm90_compiled": bool(ops.det_gemm_sm90_compiled())}

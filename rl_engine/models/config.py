@@ -86,4 +86,8 @@ PRESETS: dict[str, Qwen3Config] = {
     "small": Qwen3Config(vocab_size=32768, hidden_size=1024, intermediate_size=3072,
                          num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
                          head_dim=64),
+    # The GPU step benchmark's model: head_dim 128 as in Qwen3-4B/8B, four layers.
+    "medium": Qwen3Config(vocab_size=51200, hidden_size=2048, intermediate_size=6144,
+                          num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
+                          head_dim=128),
 }

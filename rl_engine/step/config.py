@@ -63,9 +63,18 @@ class StepConfig:
         if self.global_batch_size % self.dp:
             raise BadInput(f"GLOBAL_BATCH_SIZE={self.global_batch_size} sequences cannot be split "
                            f"over DP={self.dp} replicas; change ACTOR_GPUS or the batch")
-        for flag, value in (("--trainer", self.trainer), ("--rollout-engine", self.rollout_engine)):
-            if value != "builtin":
-                raise BadInput(f"{flag} {value!r}: this version runs the builtin engines only")
+        from rl_engine.engines.interface import ROLLOUT_ENGINES, TRAINERS
+
+        for flag, value, known in (("--trainer", self.trainer, TRAINERS),
+                                   ("--rollout-engine", self.rollout_engine, ROLLOUT_ENGINES)):
+            if value not in known:
+                raise BadInput(f"{flag} {value!r}: use one of {', '.join(known)}")
+        if self.tp != self.rollout_gpus_per_engine:
+            # Each TP rank rounds its row-parallel partial to bf16 before the fixed-order sum, so
+            # the bits of a TP=2 engine are not those of a TP=1 trainer: parity holds per TP size.
+            raise BadInput(f"TP_SIZE={self.tp} differs from ROLLOUT_GPUS_PER_ENGINE="
+                           f"{self.rollout_gpus_per_engine}: the trainer and the rollout engines "
+                           "compute the same bits only at the same TP size; set them equal")
         if self.device not in ("cpu", "cuda"):
             raise BadInput(f"device {self.device!r}: use cpu or cuda")
 
@@ -112,6 +121,7 @@ class StepConfig:
             env_value = getattr(envs, var)
             if env_value is not None:
                 values[field] = env_value
+        values.update(trainer=envs.RLK_TRAINER, rollout_engine=envs.RLK_ROLLOUT_ENGINE)
         values.update({k: v for k, v in overrides.items() if v is not None})
         config = cls(**values)
         gbs = envs.GLOBAL_BATCH_SIZE

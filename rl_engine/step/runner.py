@@ -1,16 +1,21 @@
 """`rlk run`: N post-training steps under one operator plan, leaving a self-contained run directory.
 
-Per step: the rollout engines generate samples and report the log-prob of each sampled token; the
-trainer recomputes the log-probs of the same tokens, takes a GRPO step and returns its updated
-weights; the weights are synced to the rollout engines for the next step (verified by a checksum
-on both sides). Each worker writes its own readback; the runner writes train-data and figures.
+The trainer's ranks and the rollout engines' ranks start once and stay up for every step (resident
+workers). Per step: the rollout engines generate samples and report the log-prob of each sampled
+token; the trainer recomputes the log-probs of the same tokens and takes a GRPO step, its AdamW
+state carried over from the step before; its rank 0 publishes the updated weights in shared
+memory, and every rollout rank loads them, checking each tensor's digest, for the next step. Only
+samples, log-probs and digests pass through this process, never the weights. Each worker writes its
+own readback; the runner writes train data and figures.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -19,8 +24,12 @@ from rl_engine.artifacts import files, manifest
 from rl_engine.evidence import layout, records
 from rl_engine.evidence.compare import compare
 from rl_engine.evidence.layout import RunDir
-from rl_engine.models.unshard import state_checksum
-from rl_engine.engines.rollout.worker import RolloutJob, run_rollout
+from rl_engine.engines import sync
+from rl_engine.engines.launch import Group, start
+from rl_engine.engines.rollout.worker import RolloutJob, RolloutRank, merge_samples
+from rl_engine.engines.train.packing import Sample as TrainSample
+from rl_engine.engines.train.rank import TrainerRank, TrainerSpec
+from rl_engine.engines.train.trainer import TrainConfig
 from rl_engine.errors import BadInput, InfrastructureError
 from rl_engine.runtime import preflight
 from rl_engine.runtime.plan import Plan
@@ -44,38 +53,6 @@ class StepFigures:
         return (f"step {self.step}: train_current_rollout_logprob_numel={self.numel} "
                 f"train_current_rollout_logprob_mismatch_count={self.mismatch_count} "
                 f"train_current_rollout_logprob_max_abs_diff={self.max_abs_diff}")
-
-
-@dataclass(frozen=True, slots=True)
-class TrainOutcome:
-    logprobs: list[torch.Tensor]
-    state: dict[str, torch.Tensor]
-    loss: float
-    checksum: str
-
-
-def _train(plan: Plan, config: StepConfig, inputs: Inputs, state, samples, run: RunDir, run_id: str,
-           step: int, trace: bool) -> TrainOutcome:
-    """Recomputes the rollout tokens' log-probs and takes one step on ACTOR_GPUS ranks."""
-    from rl_engine.engines.launch import launch
-    from rl_engine.engines.train.packing import Sample as TrainSample
-    from rl_engine.engines.train.trainer import TrainConfig
-    from rl_engine.step.train_worker import TrainStep, train_step_worker
-
-    job = TrainStep(
-        model_config=inputs.config, state=state, plan=plan,
-        samples=[TrainSample(prompt=tuple(s.prompt), response=tuple(s.tokens),
-                             rollout_logp=s.logprobs, group=s.prompt_index) for s in samples],
-        config=TrainConfig(tp=config.tp, cp=config.cp, dp=config.dp,
-                           max_tokens_per_gpu=config.max_tokens_per_gpu, device=config.device),
-        run_dir=run.root, run_id=run_id, step=step, trace_dir=run.trace if trace else None)
-    results = launch(train_step_worker, config.actor_gpus, args=(job,), device=config.device)
-    sums = {r["checksum"] for r in results}
-    if len(sums) != 1:
-        raise InfrastructureError(f"trainer ranks disagree on the updated weights at step {step}")
-    lead = results[0]
-    return TrainOutcome(logprobs=lead["logps"], state=lead["state"], loss=lead["loss"],
-                        checksum=lead["checksum"])
 
 
 def _write_train_data(run: RunDir, run_id: str, step: int, samples,
@@ -125,48 +102,97 @@ def check_device(plan: Plan, config: StepConfig) -> None:
     preflight.require(plan, config.device)
 
 
+def _specs(plan: Plan, config: StepConfig, inputs: Inputs, run: RunDir, run_id: str, trace: bool,
+           sync_dir) -> tuple[TrainerSpec, RolloutJob]:
+    trace_dir = run.trace if trace else None
+    trainer = TrainerSpec(
+        model_root=inputs.model_root, plan=plan, run_dir=run.root, run_id=run_id, sync_dir=sync_dir,
+        trace_dir=trace_dir, config=TrainConfig(tp=config.tp, cp=config.cp, dp=config.dp,
+                                                max_tokens_per_gpu=config.max_tokens_per_gpu,
+                                                device=config.device))
+    rollout = RolloutJob(config=inputs.config, state=None, model_root=inputs.model_root, plan=plan,
+                         prompts=inputs.prompts, n_samples=config.n_samples_per_prompt,
+                         max_new_tokens=config.max_response_len, seed=config.seed,
+                         engines=config.engines, tp=config.rollout_gpus_per_engine,
+                         run_dir=run.root, run_id=run_id, trace_dir=trace_dir,
+                         device=config.device, first_gpu=config.rollout_first_gpu)
+    return trainer, rollout
+
+
+def _sync(trainers: Group, rollouts: Group, step: int) -> tuple[sync.Published, dict[str, float]]:
+    """Trainer rank 0 publishes, every rollout rank loads and checks; (what was published, seconds)."""
+    t0 = time.monotonic()
+    published, *others = trainers.call("publish", step)
+    drifted = [r for r, c in enumerate(others, 1) if c != published.checksum]
+    if drifted:
+        raise InfrastructureError(f"training ranks {drifted} hold other weights than rank 0 after "
+                                  f"step {step}")
+    loaded = rollouts.call("load_weights", published)
+    held = {r["checksum"] for r in loaded}
+    if held != {published.checksum}:
+        raise InfrastructureError(f"weight sync failed after step {step}: rollout ranks hold "
+                                  f"{sorted(held)}, the trainer published {published.checksum}")
+    Path(published.path).unlink(missing_ok=True)
+    rollout_digest = max(r["seconds"]["digest"] for r in loaded)
+    return published, {"sync": round(time.monotonic() - t0, 3),
+                       "digests": round(published.seconds["digest"] + rollout_digest, 3)}
+
+
 def run_steps(*, plan: Plan, config: StepConfig, inputs: Inputs, run: RunDir, run_id: str,
               trace: bool = False, on_phase: Callable[[str], None] = lambda _: None) -> list[StepFigures]:
-    import time
-
     check_device(plan, config)
     man = manifest.build(run_id=run_id, plan=plan.as_dict(), layout=config.as_dict(),
                          inputs=inputs.files())
     manifest.write(run.manifest, man)
-    state = inputs.state
-    published = state_checksum(state)  # the checksum of the weights the engines must hold
+    checkpoint_digest = sync.combined(sync.digests(inputs.state))
+    sync_dir = sync.shared_folder(run_id)
+    trainer_spec, rollout_job = _specs(plan, config, inputs, run, run_id, trace, sync_dir)
     figures: list[StepFigures] = []
-    for step in range(config.steps):
-        t0 = time.monotonic()
-        on_phase(f"step {step}: rollout ({config.engines} engines x TP {config.rollout_gpus_per_engine})")
-        job = RolloutJob(config=inputs.config, state=state, plan=plan, prompts=inputs.prompts,
-                         n_samples=config.n_samples_per_prompt, max_new_tokens=config.max_response_len,
-                         seed=config.seed + 1000 * step, engines=config.engines,
-                         tp=config.rollout_gpus_per_engine, run_dir=run.root, run_id=run_id,
-                         trace_dir=run.trace if trace else None, device=config.device,
-                         first_gpu=config.rollout_first_gpu, step=step)
-        samples, results = run_rollout(job)
-        synced = {r["weights_checksum"] for r in results}
-        if synced != {published}:
-            raise InfrastructureError(f"weight sync failed at step {step}: rollout engines hold "
-                                      f"{sorted(synced)}, the trainer published {published}")
-        t1 = time.monotonic()
-        on_phase(f"step {step}: training (TP {config.tp} x CP {config.cp} x DP {config.dp})")
-        result = _train(plan, config, inputs, state, samples, run, run_id, step, trace)
-        t2 = time.monotonic()
-        fig = _write_train_data(run, run_id, step, samples, result.logprobs, config.dp,
-                                config.tp * config.cp)
-        fig.seconds = {"rollout": round(t1 - t0, 3), "training": round(t2 - t1, 3)}
-        log.info(fig.line())
-        figures.append(fig)
-        state, published = result.state, state_checksum(result.state)
-        if published != result.checksum:
-            raise InfrastructureError(f"the weights received from the trainer at step {step} do not "
-                                      "match the checksum the trainer computed")
-        files.write_json(run.weights_file(step),
-                         {"run_id": run_id, "step": step, "checksum": result.checksum,
-                          "loss": result.loss})
+    t0 = time.monotonic()
+    on_phase(f"starting {config.actor_gpus} training and {config.rollout_gpus} rollout ranks")
+    try:
+        with start(TrainerRank, config.actor_gpus, args=(trainer_spec,), device=config.device,
+                   name="training") as trainers, \
+                start(RolloutRank, config.rollout_gpus, args=(rollout_job,), device=config.device,
+                      first_gpu=config.rollout_first_gpu, name="rollout") as rollouts:
+            held = set(rollouts.call("weights_checksum"))
+            if held != {checkpoint_digest}:
+                raise InfrastructureError(f"rollout ranks loaded {sorted(held)}, the checkpoint is "
+                                          f"{checkpoint_digest}")
+            log.info("workers started in %.3f s", time.monotonic() - t0)
+            for step in range(config.steps):
+                figures.append(_step(step, config, inputs, trainers, rollouts, run, run_id, on_phase,
+                                     started=t0 if step == 0 else None))
+    finally:
+        sync.remove_folder(sync_dir)
     return figures
+
+
+def _step(step: int, config: StepConfig, inputs: Inputs, trainers: Group, rollouts: Group,
+          run: RunDir, run_id: str, on_phase: Callable[[str], None],
+          started: float | None) -> StepFigures:
+    t0 = time.monotonic()
+    on_phase(f"step {step}: rollout ({config.engines} engines x TP {config.rollout_gpus_per_engine})")
+    samples = merge_samples(rollouts.call("generate", inputs.prompts, config.n_samples_per_prompt,
+                                          config.max_response_len, config.seed + 1000 * step, step))
+    t1 = time.monotonic()
+    on_phase(f"step {step}: training (TP {config.tp} x CP {config.cp} x DP {config.dp})")
+    batch = [TrainSample(prompt=tuple(s.prompt), response=tuple(s.tokens), rollout_logp=s.logprobs,
+                         group=s.prompt_index) for s in samples]
+    lead = trainers.call("train_step", batch, step)[0]
+    t2 = time.monotonic()
+    fig = _write_train_data(run, run_id, step, samples, lead["logps"], config.dp, config.tp * config.cp)
+    on_phase(f"step {step}: weight sync")
+    published, sync_seconds = _sync(trainers, rollouts, step)
+    fig.seconds = {"rollout": round(t1 - t0, 3), "training": round(t2 - t1, 3), **sync_seconds}
+    if started is not None:
+        fig.seconds["worker_start"] = round(t0 - started, 3)
+    log.info(fig.line())
+    files.write_json(run.weights_file(step), {"run_id": run_id, "step": step,
+                                              "checksum": published.checksum,
+                                              "loss": lead["loss"],
+                                              "optimizer_steps": lead["optimizer_steps"]})
+    return fig
 
 
 def summary(figures: list[StepFigures]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from rl_engine.distributed import collectives
-from rl_engine.engines.ray_launch import cluster_address
+from rl_engine.engines.launch import cluster_address
 from rl_engine.errors import BadInput
 
 
@@ -81,7 +81,8 @@ def head():
 
 def launch_under_ray(head, which: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(RLK_LAUNCHER="ray", RLK_RAY_ADDRESS=head.gcs_address, RAY_USAGE_STATS_ENABLED="0")
+    env.update(RLK_LAUNCHER="ray", RLK_RAY_ADDRESS=head.gcs_address, RAY_USAGE_STATS_ENABLED="0",
+               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=head.token_file)  # the head requires it
     proc = subprocess.run([sys.executable, "-c", DRIVER, which, head.address], env=env, capture_output=True,
                           text=True, timeout=400)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -111,7 +112,7 @@ def test_two_actor_ranks_in_one_placement_group_sum_to_the_same_bits(head):
 @pytest.mark.slow
 def test_a_rank_that_raises_fails_the_group_promptly_and_leaves_nothing(head):
     out = launch_under_ray(head, "raise")
-    assert out["error"].startswith("rank 1 of 2 failed: ValueError: rank one cannot go on")
+    assert out["error"].startswith("worker rank 1 of 2 failed: ValueError: rank one cannot go on")
     # Rank 0 would wait in its barrier for gloo's 30-minute default; the launcher does not.
     assert out["seconds"] < 120
     nothing_left(out)
@@ -133,7 +134,7 @@ GPU_VIEW = r'''
 import json, sys
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from rl_engine.engines import ray_launch
+from rl_engine.engines import launch as ray_launch
 
 ray.init(address=sys.argv[1])
 pg = placement_group([{"CPU": 1, "GPU": 1}] * 2, strategy="STRICT_PACK")
@@ -155,7 +156,8 @@ def test_cuda_ranks_see_every_gpu_and_know_their_own():
     try:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith("RAY_") and k != "CUDA_VISIBLE_DEVICES"}
-        env.update(RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+        env.update(RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+                   RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=h.token_file)
         proc = subprocess.run([sys.executable, "-c", GPU_VIEW, h.gcs_address], env=env,
                               capture_output=True, text=True, timeout=300)
     finally:

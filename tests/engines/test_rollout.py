@@ -209,9 +209,12 @@ def job(**kw) -> RolloutJob:
 
 def tp_worker(rank: int, world: int, rollout_job: RolloutJob) -> dict:
     """A rollout rank, then the same rank as a TP=2 trainer recomputing its samples."""
-    from rl_engine.engines.rollout import Sample, rollout_worker
+    from rl_engine.engines.rollout import RolloutRank, Sample
 
-    out = rollout_worker(rank, world, rollout_job)
+    engine = RolloutRank(rank, world, rollout_job)
+    j = rollout_job
+    out = engine.generate(j.prompts, j.n_samples, j.max_new_tokens, j.seed, j.step)
+    out["weights_checksum"] = engine.engine.weights_checksum()  # gathered over the TP ranks
     samples = [Sample.from_plain(s) for s in out["samples"]]
     router = Router(rollout_job.plan, side="training", engine="builtin")
     model = Qwen3(CONFIG, router, TPGroup(rank=rank, size=world, group=None))

@@ -26,8 +26,24 @@ def test_default_workload_is_the_runbooks():
 def test_runbook_variables_override_the_preset_and_flags_override_them(monkeypatch):
     monkeypatch.setenv("TP_SIZE", "1")
     monkeypatch.setenv("ACTOR_GPUS", "4")
+    monkeypatch.setenv("ROLLOUT_GPUS_PER_ENGINE", "1")
     c = StepConfig.resolve("ci", cp=2)
-    assert (c.tp, c.cp, c.dp) == (1, 2, 2)
+    assert (c.tp, c.cp, c.dp, c.engines) == (1, 2, 2, 2)
+
+
+def test_a_trainer_tp_other_than_the_engines_tp_is_refused_naming_why():
+    with pytest.raises(BadInput, match="TP_SIZE=1 differs from ROLLOUT_GPUS_PER_ENGINE=2: the trainer "
+                                       "and the rollout engines compute the same bits only at the "
+                                       "same TP size"):
+        StepConfig.resolve("ci", tp=1, actor_gpus=1)
+
+
+def test_engine_ids_default_to_builtin_and_unknown_ones_are_refused(monkeypatch):
+    c = StepConfig.resolve("ci")
+    assert (c.trainer, c.rollout_engine) == ("builtin", "builtin")
+    assert c.as_dict()["trainer"] == "builtin"
+    with pytest.raises(BadInput, match="--rollout-engine 'sglang': use one of builtin"):
+        StepConfig.resolve("ci", rollout_engine="sglang")
 
 
 @pytest.mark.parametrize("env, message", [

@@ -89,15 +89,10 @@ class Trainer:
         """Recomputes every sample's log-probs, takes one optimizer step, and returns the
         log-probs of all samples (gathered over DP) and the global batch's loss."""
         cfg, lay = self.config, self.layout
-        if len(samples) < cfg.dp:
-            raise ValueError(f"{len(samples)} samples cannot be split over DP={cfg.dp} ranks")
         rewards = [float(self.reward_fn(s)) for s in samples]
         adv = loss.group_advantages(rewards, [s.group_key for s in samples], cfg.adv_eps)
         tokens = sum(len(s.response) for s in samples)
-        lo = lay.dp_rank * len(samples) // cfg.dp
-        hi = (lay.dp_rank + 1) * len(samples) // cfg.dp
-        batches = pack([s.length for s in samples[lo:hi]], cp=cfg.cp,
-                       max_tokens=cfg.max_tokens_per_gpu, block=KV_BLOCK_SIZE)
+        lo, batches = self._dp_share(samples)
         main = {n: torch.zeros_like(m) for n, m in self.master.items()}
         mine: list[torch.Tensor] = []
         for batch in batches:
@@ -119,7 +114,28 @@ class Trainer:
         return StepResult(logps=logps, loss=float(loss.batch_loss(terms, tokens)), rewards=rewards,
                           micro_batches=len(batches))
 
-    def _micro_batch(self, samples: list[Sample], adv: list[float], global_tokens: int):
+    @torch.no_grad()
+    def logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """Every sample's log-probs under the current weights, gathered over DP; no step."""
+        lo, batches = self._dp_share(samples)
+        mine: list[torch.Tensor] = []
+        for batch in batches:
+            idx = [lo + i for i in batch]
+            mine += self._micro_batch([samples[i] for i in idx], [0.0] * len(idx), 1, train=False)
+        return self._gather_dp([t.cpu() for t in mine])
+
+    def _dp_share(self, samples: list[Sample]) -> tuple[int, list]:
+        """(index of this DP rank's first sample, its packed micro-batches)."""
+        cfg, lay = self.config, self.layout
+        if len(samples) < cfg.dp:
+            raise ValueError(f"{len(samples)} samples cannot be split over DP={cfg.dp} ranks")
+        lo = lay.dp_rank * len(samples) // cfg.dp
+        hi = (lay.dp_rank + 1) * len(samples) // cfg.dp
+        return lo, pack([s.length for s in samples[lo:hi]], cp=cfg.cp,
+                        max_tokens=cfg.max_tokens_per_gpu, block=KV_BLOCK_SIZE)
+
+    def _micro_batch(self, samples: list[Sample], adv: list[float], global_tokens: int, *,
+                     train: bool = True):
         cfg, lay, model, dev = self.config, self.layout, self.model, self.device
         mb = MicroBatch([s.length for s in samples], cfg.cp, KV_BLOCK_SIZE)
         tokens_all = torch.cat([s.tokens() for s in samples]).to(dev)
@@ -146,6 +162,8 @@ class Trainer:
             pred_ex = RowExchange(pred_owned, pred, lay.cp_rank, lay.cp_group, device=dev)
             h = GatherRows.apply(hidden[local], pred_ex, self.router, "logp", True)
         logp = model.selected_logp(h, tokens_all[(pred + 1).to(dev)])
+        if not train:
+            return list(logp.detach().split([len(s.response) for s in samples]))
         terms = loss.token_terms(logp, _rollout_logps(samples).to(dev),
                                  _token_advantages(samples, adv).to(dev), cfg.clip)
         loss.batch_loss(terms, global_tokens).backward()
