@@ -1,16 +1,17 @@
-"""Step time of the R/R control over the P/P baseline: what determinism costs for one whole
-post-training step (rollout, then training), not for one kernel. The model is generated from a
-fixed seed (`tiny` by default, `small` = hidden 1024, 8 layers); CPU or CUDA ranks.
+"""Step time of the resident RL loop, R/R control against the P/P baseline in the same run.
 
-Each run is one `rlk run` step done in this process through rl_engine.step (its own run directory
-in a temporary folder; rollout engines and trainer ranks are fresh local processes, as in `rlk
-run`). R/R and P/P runs alternate, so a change of machine load falls on both; a ratio is
-median(R/R) / median(P/P), for the step and for its rollout and training phases as the step runner
-times them. The wall time of a run also counts writing its evidence.
+Each run is one `rlk run` of --steps steps done in this process through rl_engine.step (its own run
+directory in a temporary folder): the trainer's and the rollout engines' ranks start once, then
+serve every step. Reported: the workers' start (once per run), and for steps 2..N the rollout,
+training, weight sync and digest times and the whole step, as the step runner times them (step 1
+also pays first-call costs, so it is left out). R/R and P/P runs alternate, so a change of machine
+load falls on both; a ratio is median(R/R) / median(P/P). The model is generated from a fixed seed
+(`tiny`, `small` or `medium`); CPU or CUDA ranks.
 
-    python benchmarks/step_time.py [--workload default|ci] [--repeats 3] [--model tiny|small]
-        [--device cpu|cuda] [--tp N --cp N --actor-gpus N --rollout-gpus N
-         --rollout-gpus-per-engine N]
+    python benchmarks/step_time.py [--workload default|ci] [--steps 4] [--repeats 2]
+        [--model tiny|small|medium] [--device cpu|cuda] [--tp N --cp N --actor-gpus N
+         --rollout-gpus N --rollout-gpus-per-engine N --rollout-batch-size N
+         --n-samples-per-prompt N --max-response-len N]
 """
 
 from __future__ import annotations
@@ -35,16 +36,18 @@ from rl_engine.step import inputs as step_inputs
 from rl_engine.step.config import StepConfig
 from rl_engine.step.runner import run_steps
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 RESULT = Path(__file__).resolve().parent / "results" / "step_time.json"
 PLANS = {"R/R": Plan(), "P/P": Plan(attention="P/P", ffn="P/P", logp="P/P")}
-PHASES = ("rollout", "training", "step", "wall")
-LAYOUT = ("tp", "cp", "actor_gpus", "rollout_gpus", "rollout_gpus_per_engine")
+PHASES = ("rollout", "training", "sync", "digests", "step")
+LAYOUT = ("tp", "cp", "actor_gpus", "rollout_gpus", "rollout_gpus_per_engine", "rollout_batch_size",
+          "n_samples_per_prompt", "max_response_len")
 
 
 def machine() -> dict:
     return {"cpu_count": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
             "processor": platform.processor() or platform.machine(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "load_average_at_start": list(os.getloadavg())}
 
 
@@ -52,37 +55,48 @@ def one_run(case: str, config: StepConfig, inputs, scratch: Path) -> dict:
     run_id = f"bench-{ids.new_attempt_id()}"
     run = run_dirs.create(scratch / run_id)
     start = time.perf_counter()
-    (fig,) = run_steps(plan=PLANS[case], config=config, inputs=inputs, run=run, run_id=run_id)
+    figures = run_steps(plan=PLANS[case], config=config, inputs=inputs, run=run, run_id=run_id)
     wall = time.perf_counter() - start
-    return {"case": case, "rollout": fig.seconds["rollout"], "training": fig.seconds["training"],
-            "step": round(fig.seconds["rollout"] + fig.seconds["training"], 3),
-            "wall": round(wall, 3), "numel": fig.numel, "mismatch_count": fig.mismatch_count,
-            "max_abs_diff": fig.max_abs_diff, "load_average_after": list(os.getloadavg())}
+    steps = [{**{p: f.seconds[p] for p in PHASES[:-1]},
+              "step": round(sum(f.seconds[p] for p in ("rollout", "training", "sync")), 3)}
+             for f in figures]
+    return {"case": case, "worker_start": figures[0].seconds["worker_start"], "steps": steps,
+            "later_steps": {p: statistics.median(s[p] for s in steps[1:]) for p in PHASES},
+            "wall": round(wall, 3), "numel": sum(f.numel for f in figures),
+            "mismatch_count": sum(f.mismatch_count for f in figures),
+            "max_abs_diff": max(f.max_abs_diff for f in figures),
+            "load_average_after": list(os.getloadavg())}
 
 
 def medians(runs: list[dict], case: str) -> dict:
-    return {p: statistics.median(r[p] for r in runs if r["case"] == case) for p in PHASES}
+    mine = [r for r in runs if r["case"] == case]
+    out = {p: statistics.median(r["later_steps"][p] for r in mine) for p in PHASES}
+    out["worker_start"] = statistics.median(r["worker_start"] for r in mine)
+    return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="default", help="default (the runbook's: 4 trainer + "
                         "4 rollout ranks, 2 x 128 new tokens) or ci (2 + 2 ranks, 2 x 32 tokens)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each plan")
+    parser.add_argument("--steps", type=int, default=4, help="steps per run (at least 2)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each plan")
     parser.add_argument("--out", type=Path, default=RESULT)
-    parser.add_argument("--model", default="tiny", choices=("tiny", "small"))
+    parser.add_argument("--model", default="tiny", choices=("tiny", "small", "medium"))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     for name in LAYOUT:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be at least 2: steps 2..N are the ones measured")
     logging.basicConfig(level=logging.WARNING)
     info = machine()
-    config = StepConfig.resolve(args.workload, steps=1, device=args.device,
+    config = StepConfig.resolve(args.workload, steps=args.steps, device=args.device,
                                 **{name: getattr(args, name) for name in LAYOUT})
     print(f"torch {info['torch']}, {info['cpu_count']} CPUs, load {info['load_average_at_start'][0]:.1f}; "
-          f"workload {args.workload}: TP {config.tp} x CP {config.cp} x DP {config.dp} trainer, "
-          f"{config.engines} rollout engine(s) of TP {config.rollout_gpus_per_engine}, "
-          f"{config.numel_per_step} tokens")
+          f"model {args.model} on {args.device}, workload {args.workload}: TP {config.tp} x CP "
+          f"{config.cp} x DP {config.dp} trainer, {config.engines} rollout engine(s) of TP "
+          f"{config.rollout_gpus_per_engine}, {config.numel_per_step} tokens a step, {args.steps} steps")
     runs = []
     with tempfile.TemporaryDirectory(prefix="rlk-step-time-") as tmp:
         scratch = Path(tmp)
@@ -92,19 +106,21 @@ def main() -> int:
             for case in PLANS:
                 r = one_run(case, config, inputs, scratch)
                 runs.append(r)
-                print(f"{i + 1}/{args.repeats} {case}: rollout {r['rollout']:7.2f} s  training "
-                      f"{r['training']:7.2f} s  step {r['step']:7.2f} s  wall {r['wall']:7.2f} s  "
+                m = r["later_steps"]
+                print(f"{i + 1}/{args.repeats} {case}: workers start {r['worker_start']:6.2f} s; steps "
+                      f"2..{args.steps}: step {m['step']:6.2f} s (rollout {m['rollout']:6.2f}, training "
+                      f"{m['training']:6.2f}, sync {m['sync']:5.2f}, digests {m['digests']:5.2f}); "
                       f"mismatches {r['mismatch_count']}/{r['numel']}", flush=True)
     med = {case: medians(runs, case) for case in PLANS}
-    ratio = {p: med["R/R"][p] / med["P/P"][p] for p in PHASES}
-    print(f"R/R over P/P (medians of {args.repeats}): step {ratio['step']:.2f}  rollout "
-          f"{ratio['rollout']:.2f}  training {ratio['training']:.2f}  wall {ratio['wall']:.2f}")
+    ratio = {p: med["R/R"][p] / med["P/P"][p] if med["P/P"][p] else None for p in PHASES}
+    print(f"R/R step {med['R/R']['step']:.2f} s, P/P step {med['P/P']['step']:.2f} s: R/R over P/P "
+          f"{ratio['step']:.2f} (rollout {ratio['rollout']:.2f}, training {ratio['training']:.2f})")
     info["load_average_at_end"] = list(os.getloadavg())
     src = provenance.source()
     files.write_json(args.out, {
         "schema_version": SCHEMA_VERSION, "benchmark": "step_time", "commit": src["commit"],
         "dirty": src["dirty"], "machine": info, "model": args.model, "device": args.device,
-        "workload": args.workload,
+        "workload": args.workload, "steps": args.steps,
         "layout": config.as_dict(), "repeats": args.repeats,
         "plans": {case: plan.as_dict() for case, plan in PLANS.items()},
         "median_seconds": med, "ratio_r_over_p": ratio, "runs": runs})
