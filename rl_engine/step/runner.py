@@ -132,7 +132,8 @@ def _sync(trainers: Group, rollouts: Group, step: int) -> tuple[sync.Published, 
     if held != {published.checksum}:
         raise InfrastructureError(f"weight sync failed after step {step}: rollout ranks hold "
                                   f"{sorted(held)}, the trainer published {published.checksum}")
-    Path(published.path).unlink(missing_ok=True)
+    if published.path is not None:
+        Path(published.path).unlink(missing_ok=True)
     rollout_digest = max(r["seconds"]["digest"] for r in loaded)
     return published, {"sync": round(time.monotonic() - t0, 3),
                        "digests": round(published.seconds["digest"] + rollout_digest, 3)}

@@ -73,6 +73,9 @@ class TrainerRank:
         state = self.weights_for_sync()
         if self.rank != 0:
             return sync.combined(sync.digests(state))
+        # CUDA IPC shares these very tensors: they stay referenced until the next publish, by
+        # when every rollout rank has copied them.
+        self._shared = state
         return sync.publish(state, self.spec.sync_dir, step)
 
     def readback(self, step: int, **extra: Any) -> Path:
