@@ -21,7 +21,8 @@ _TRAINING = {
     "ffn": ("det_gemm_grad_input", "det_gemm_grad_weight", "rmsnorm_backward", "swiglu_backward"),
     "logp": ("rmsnorm_backward", "linear_logp_backward"),
 }
-_ROLLOUT = {"attention": ("attention_decode",), "ffn": (), "logp": ()}
+# The rollout's logp route also computes the sampling logits (det_gemm on R).
+_ROLLOUT = {"attention": ("attention_decode",), "ffn": (), "logp": ("det_gemm",)}
 
 
 def required_ops(module: str, side: str) -> tuple[str, ...]:

@@ -138,6 +138,12 @@ class Router:
         return self._run(module, linear.det_linear, linear.production_linear,
                          "production.torch.linear", x, w, bias)
 
+    def logits(self, module: str, hidden, lm_head):
+        """Sampling logits ``hidden @ lm_head^T`` of this rank's vocab shard. On R it is det_gemm,
+        whose k order does not depend on the row count, so a sequence's logits, and the token
+        drawn from them, are the same whichever sequences share its decode batch."""
+        return self.linear(module, hidden, lm_head)
+
     def rmsnorm(self, module: str, x, w, eps: float):
         return self._run(module, norm.det_rmsnorm, norm.production_rmsnorm,
                          "production.torch.rms_norm", x, w, eps)

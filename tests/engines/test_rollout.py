@@ -147,6 +147,36 @@ def test_rr_fragmented_and_contiguous_page_tables_identical():
     assert same(contiguous, rollout(RR, 4, "fragmented")[0])
 
 
+def test_r_logp_samples_a_sequence_alike_alone_and_in_a_batch():
+    """Under R logits the token drawn for a sequence does not depend on the sequences beside it."""
+    model, router = build(RR, "rollout")
+    engine = RolloutEngine(model, router, max_batch=1)
+    alone = engine.generate(PROMPTS, N_SAMPLES, NEW_TOKENS, SEED, requests=[(2, 1)])[0]
+    assert router.records["attention"].shapes["decode_batch"] == {1}
+    batched, batch_router, _ = rollout(RR, 4)
+    assert max(batch_router.records["attention"].shapes["decode_batch"]) == 4
+    in_batch = batched[2 * N_SAMPLES + 1]
+    assert (in_batch.prompt_index, in_batch.sample_index) == (2, 1)
+    assert torch.equal(torch.tensor(alone.tokens), torch.tensor(in_batch.tokens))
+    assert torch.equal(alone.logprobs, in_batch.logprobs)
+
+
+@pytest.mark.parametrize("plan, backend", [(RR, "rlkernel.det_gemm.cpu.v1"),
+                                           (PP, "production.torch.linear")])
+def test_sampling_logits_are_counted_in_the_logp_record(plan, backend):
+    samples, router, launches = rollout(plan, 4)
+    # Six sequences, at most four live: two waves of one prefill and NEW_TOKENS - 1 decode steps,
+    # each drawing its tokens from one logits call over the live rows.
+    draws = 2 * NEW_TOKENS
+    logp_counts = router.records["logp"].call_counts
+    assert logp_counts[backend] == draws
+    if plan is RR:
+        gemms = sum(router.records[m].call_counts[backend] for m in ("attention", "ffn", "logp"))
+        assert launches["det_gemm"] == gemms  # every det_gemm launch is some module's
+    else:
+        assert "det_gemm" not in launches
+
+
 def test_pp_decode_differs_from_packed_prefill():
     samples, router, launches = rollout(PP, 4)
     assert "production.split_kv_decode" in router.records["attention"].call_counts
@@ -179,8 +209,8 @@ def test_gumbel_max_samples_the_softmax():
     from rl_engine.engines.rollout import sampling
 
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
-    draws = torch.tensor([sampling.gumbel_max(logits, sampling.step_seed(7, i))
-                          for i in range(4000)])
+    draws = sampling.gumbel_max(logits.expand(4000, 4), [sampling.step_seed(7, i)
+                                                         for i in range(4000)])
     freq = torch.bincount(draws, minlength=4).float() / draws.numel()
     assert torch.allclose(freq, torch.softmax(logits, 0), atol=0.03)  # ~4 standard errors
 
@@ -247,9 +277,11 @@ def test_two_engines_split_samples_like_one_engine(tmp_path):
     records = [json.loads(p.read_text()) for p in sorted((tmp_path / "readbacks").iterdir())]
     assert len(records) == 2 and {r["run_id"] for r in records} == {"split-test"}
     for record in records:
-        attention = next(m for m in record["modules"] if m["module"] == "attention")
-        assert attention["shapes"]["decode_batch"] == [2]
-        assert attention["shapes"]["fragmented_page_tables"][0] > 0
+        modules = {m["module"]: m for m in record["modules"]}
+        assert modules["attention"]["shapes"]["decode_batch"] == [2]
+        assert modules["attention"]["shapes"]["fragmented_page_tables"][0] > 0
+        # The engine's two samples run as one wave: NEW_TOKENS logits calls on the logp route.
+        assert modules["logp"]["call_counts"]["rlkernel.det_gemm.cpu.v1"] == NEW_TOKENS
     one, router, _ = rollout(RR, 4, num_prompts=2)
     assert router.records["attention"].shapes["decode_batch"] == {4}
     assert same(split, one)

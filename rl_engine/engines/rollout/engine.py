@@ -4,19 +4,24 @@ Up to `max_batch` sequences are live at once. Newly admitted prompts are prefill
 packed varlen call; then every live sequence advances one token per decode step. Finished
 sequences give their pages back and waiting ones take them. Every sample generates exactly
 `max_new_tokens` tokens (parity workloads are fixed length; EOS is not special).
+
+The loop never reads the device back: what the host needs to schedule (positions, page tables,
+how many tokens each sequence has) follows from host-side counts, since the lengths are fixed.
+Sampled tokens stay on the device, feed the next decode step there, and come back to the host in
+one copy when every sequence is done.
 """
 
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from rl_engine.engines.rollout import sampling
 from rl_engine.engines.rollout.kv_cache import (DecodeBackend, PagedKVCache, PrefillBackend,
-                                                SeqSlot, is_fragmented, pages_for)
+                                                SeqSlot, is_fragmented, pages_for, to_device)
 from rl_engine.models.qwen3 import Qwen3
 from rl_engine.models.unshard import full_state, state_checksum
 from rl_engine.models.tp import TPGroup
@@ -47,7 +52,13 @@ class _Seq:
     sample: Sample
     seed: int
     slot: SeqSlot
-    logprobs: list[torch.Tensor]
+    generated: int = 0                                            # host-side count of tokens
+    tokens: list[torch.Tensor] = field(default_factory=list)     # device, [1] per step
+    logprobs: list[torch.Tensor] = field(default_factory=list)   # device, [1] per step
+
+    @property
+    def length(self) -> int:
+        return len(self.sample.prompt) + self.generated
 
 
 def all_requests(num_prompts: int, n_samples: int) -> list[tuple[int, int]]:
@@ -93,7 +104,7 @@ class RolloutEngine:
         pending = collections.deque(
             _Seq(Sample(prompt_index=p, sample_index=s, prompt=list(prompts[p]), tokens=[],
                         logprobs=torch.empty(0)),
-                 sampling.sequence_seed(base[p], p, s), SeqSlot(), [])
+                 sampling.sequence_seed(base[p], p, s), SeqSlot())
             for p, s in requests)
         live: list[_Seq] = []
         done: list[_Seq] = []
@@ -105,16 +116,15 @@ class RolloutEngine:
             if admitted:
                 self._prefill(cache, admitted, longest - 1)
                 live += admitted
-            if any(len(s.sample.tokens) < max_new_tokens for s in live):
-                self._decode(cache, [s for s in live if len(s.sample.tokens) < max_new_tokens])
-            for s in [s for s in live if len(s.sample.tokens) == max_new_tokens]:
+            if any(s.generated < max_new_tokens for s in live):
+                self._decode(cache, [s for s in live if s.generated < max_new_tokens])
+            for s in [s for s in live if s.generated == max_new_tokens]:
                 fragmented += is_fragmented(s.slot.pages)
                 cache.release(s.slot)
                 live.remove(s)
                 done.append(s)
         self.router.note("attention", "fragmented_page_tables", fragmented)
-        for s in done:
-            s.sample.logprobs = torch.cat(s.logprobs).float().cpu()
+        self._copy_out(done)
         by_key = {(s.sample.prompt_index, s.sample.sample_index): s.sample for s in done}
         return [by_key[r] for r in requests]
 
@@ -125,36 +135,50 @@ class RolloutEngine:
             # leave a hole too small for the next one); fragmented grows page by page.
             cache.reserve(s.slot, run_tokens if self.page_policy == "contiguous" else n)
         backend = PrefillBackend(cache, self.router, [s.slot for s in seqs], lengths, self.scale)
-        dev = self.router.device
-        tokens = torch.tensor([t for s in seqs for t in s.sample.prompt], dtype=torch.long,
-                              device=dev)
+        tokens = to_device([t for s in seqs for t in s.sample.prompt], torch.long,
+                           self.router.device)
         self.router.note("attention", "prefill_batch", len(seqs))
         hidden = self.model.hidden(tokens, backend.positions, backend)
         last = (backend.cu[1:] - 1).long()
         self._sample(seqs, hidden[last])
 
     def _decode(self, cache: PagedKVCache, seqs: list[_Seq]) -> None:
-        positions = [len(s.sample.prompt) + len(s.sample.tokens) - 1 for s in seqs]
+        """One token per sequence: the input is each one's last sampled token, still on the
+        device; positions and page tables come from the host-side lengths."""
+        positions = [s.length - 1 for s in seqs]
         for s, p in zip(seqs, positions):
             cache.reserve(s.slot, p + 1)
         backend = DecodeBackend(cache, self.router, [s.slot for s in seqs], positions, self.scale)
-        dev = self.router.device
-        tokens = torch.tensor([s.sample.tokens[-1] for s in seqs], dtype=torch.long, device=dev)
-        hidden = self.model.hidden(tokens, torch.tensor(positions, device=dev), backend)
+        tokens = torch.cat([s.tokens[-1] for s in seqs])
+        hidden = self.model.hidden(tokens, backend.positions, backend)
         self._sample(seqs, hidden)
 
     def _sample(self, seqs: list[_Seq], hidden_last: torch.Tensor) -> None:
-        """Draws each sequence's next token, then its log-prob through the plan's logp route."""
+        """Draws each sequence's next token, then its log-prob through the plan's logp route;
+        both stay on the device."""
         logits = sampling.full_logits(hidden_last, self.model.lm_head,
                                       vocab=self.model.config.vocab_size, tp=self.tp,
                                       router=self.router)
-        chosen = [sampling.gumbel_max(logits[b], sampling.step_seed(s.seed, len(s.sample.tokens)))
-                  for b, s in enumerate(seqs)]
-        target = torch.tensor(chosen, dtype=torch.long, device=hidden_last.device)
-        logp = self.model.selected_logp(hidden_last, target)
-        for b, (s, t) in enumerate(zip(seqs, chosen)):
-            s.sample.tokens.append(t)
+        chosen = sampling.gumbel_max(logits, [sampling.step_seed(s.seed, s.generated)
+                                              for s in seqs])
+        logp = self.model.selected_logp(hidden_last, chosen)
+        for b, s in enumerate(seqs):
+            s.tokens.append(chosen[b:b + 1])
             s.logprobs.append(logp[b:b + 1])
+            s.generated += 1
+
+    @staticmethod
+    def _copy_out(done: list[_Seq]) -> None:
+        """Every finished sequence's tokens and log-probs to the host: one copy of each kind for
+        the whole call, after the loop, rather than a wait per token."""
+        if not done:
+            return
+        tokens = torch.cat([t for s in done for t in s.tokens]).cpu()
+        logprobs = torch.cat([lp for s in done for lp in s.logprobs]).float().cpu()
+        sizes = [s.generated for s in done]
+        for s, t, lp in zip(done, tokens.split(sizes), logprobs.split(sizes)):
+            # A clone, so that saving one sample's log-probs does not save every sample's.
+            s.sample.tokens, s.sample.logprobs = t.tolist(), lp.clone()
 
     # -- weight sync --------------------------------------------------------------------------
     @torch.no_grad()

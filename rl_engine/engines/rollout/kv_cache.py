@@ -25,6 +25,17 @@ def pages_for(tokens: int) -> int:
     return -(-tokens // PAGE_SIZE)
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host bookkeeping (page tables, positions, lengths) as a device tensor, without making the
+    host wait: on CUDA it is staged in pinned memory and copied asynchronously (a pageable copy
+    may block until the GPU catches up); the caching host allocator keeps the pinned buffer until
+    the copy has run."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class BlockManager:
     """Physical page allocator of one cache."""
 
@@ -104,8 +115,7 @@ class PagedKVCache:
         for slot, pos in zip(slots, positions):
             page += [slot.pages[p // PAGE_SIZE] for p in pos]
             off += [p % PAGE_SIZE for p in pos]
-        return (torch.tensor(page, dtype=torch.long, device=self.device),
-                torch.tensor(off, dtype=torch.long, device=self.device))
+        return to_device(page, torch.long, self.device), to_device(off, torch.long, self.device)
 
     def write(self, layer: int, index: tuple[torch.Tensor, torch.Tensor], k, v) -> None:
         self.k[layer][index] = k
@@ -113,10 +123,8 @@ class PagedKVCache:
 
     def block_table(self, slots: list[SeqSlot]) -> torch.Tensor:
         width = max(len(s.pages) for s in slots)
-        table = torch.zeros(len(slots), width, dtype=torch.int32)
-        for b, s in enumerate(slots):
-            table[b, :len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
-        return table.to(self.device)
+        return to_device([s.pages + [0] * (width - len(s.pages)) for s in slots], torch.int32,
+                         self.device)
 
 
 class PrefillBackend:
@@ -129,8 +137,8 @@ class PrefillBackend:
         cu = [0]
         for n in lengths:
             cu.append(cu[-1] + n)
-        self.cu = torch.tensor(cu, dtype=torch.int32, device=cache.device)
-        self.positions = torch.cat([torch.arange(n) for n in lengths]).to(cache.device)
+        self.cu = to_device(cu, torch.int32, cache.device)
+        self.positions = to_device([p for n in lengths for p in range(n)], torch.long, cache.device)
 
     def attend(self, layer: int, q, k, v):
         self.cache.write(layer, self.index, k, v)
@@ -146,8 +154,8 @@ class DecodeBackend:
         self.cache, self.router, self.scale = cache, router, scale
         self.index = cache.slot_index(slots, [[p] for p in positions])
         self.table = cache.block_table(slots)
-        self.seq_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32,
-                                     device=cache.device)
+        self.positions = to_device(positions, torch.long, cache.device)
+        self.seq_lens = to_device([p + 1 for p in positions], torch.int32, cache.device)
 
     def attend(self, layer: int, q, k, v):
         self.cache.write(layer, self.index, k, v)

@@ -1,8 +1,10 @@
 """Temperature-1 sampling from the full distribution by Gumbel-max, seeded per sequence and step.
 
 Each draw depends only on (base seed, prompt index, sample index, step) and the sequence's own
-logits row, so a sample is the same whichever sequences share its batch, engine or TP group. The
-logits here only choose the token; the reported log-prob comes from the plan's logp route.
+logits row; under an R logp route that row does not depend on the other rows either, so a sample is
+the same whichever sequences share its batch, engine or TP group (a P route's GEMM picks its
+blocking by batch shape, so there it may not be). The logits here only choose the token; the
+reported log-prob comes from the plan's logp route.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import hashlib
 import struct
 
 import torch
-import torch.nn.functional as F
 
 from rl_engine.models.tp import TPGroup
 from rl_engine.ops import logp as logp_ops
@@ -33,12 +34,10 @@ def step_seed(seq_seed: int, step: int) -> int:
 
 def full_logits(hidden: torch.Tensor, lm_head: torch.Tensor, *, vocab: int, tp: TPGroup,
                 router: Router) -> torch.Tensor:
-    """fp32 logits [B, vocab] of final hidden rows [B, H]; vocab shards gathered in rank order
-    (by the logp module's all-gather: bytes only, whichever route).
-
-    Rows are multiplied one at a time so a row's logits do not depend on how many rows share the
-    batch (a GEMM picks its blocking by shape)."""
-    local = torch.cat([F.linear(hidden[b:b + 1], lm_head) for b in range(hidden.shape[0])]).float()
+    """fp32 logits [B, vocab] of final hidden rows [B, H], computed by the logp route (det_gemm on
+    R, so a row's logits do not depend on how many rows share the batch); vocab shards gathered in
+    rank order (by the logp module's all-gather: bytes only, whichever route)."""
+    local = router.logits("logp", hidden, lm_head).float()
     if tp.size == 1:
         return local
     shards = [logp_ops.shard_range(vocab, r, tp.size) for r in range(tp.size)]
@@ -49,12 +48,17 @@ def full_logits(hidden: torch.Tensor, lm_head: torch.Tensor, *, vocab: int, tp: 
     return torch.cat([p[:, :stop - start] for p, (start, stop, _) in zip(parts, shards)], dim=1)
 
 
-def gumbel_max(logits: torch.Tensor, seed: int) -> int:
-    """argmax(logits + Gumbel noise): an exact sample of softmax(logits) at temperature 1.
+def gumbel_max(logits: torch.Tensor, seeds: list[int]) -> torch.Tensor:
+    """argmax(logits[b] + Gumbel noise of seeds[b]) of each row: exact samples of softmax(logits)
+    at temperature 1, as a long tensor [B] on the logits' device (nothing is read back, so the
+    host never waits for the GPU here).
 
-    The generator lives on the logits' device (a CUDA generator on a GPU) and takes the same seed
-    on every device; the seed never depends on the device, the noise drawn from it does."""
-    gen = torch.Generator(device=logits.device).manual_seed(seed)
-    u = torch.rand(logits.shape, generator=gen, device=logits.device, dtype=torch.float64)
-    noise = -torch.log(-torch.log(u.clamp_min(torch.finfo(torch.float64).tiny)))
-    return int(torch.argmax(logits.double() + noise))
+    Each row's noise comes from its own generator, on the logits' device (a CUDA generator on a
+    GPU), so it does not depend on the other rows; the seed never depends on the device, the
+    noise drawn from it does."""
+    tiny = torch.finfo(torch.float64).tiny
+    noise = torch.stack([
+        torch.rand(logits.shape[1:], device=logits.device, dtype=torch.float64,
+                   generator=torch.Generator(device=logits.device).manual_seed(seed))
+        for seed in seeds])
+    return torch.argmax(logits.double() - torch.log(-torch.log(noise.clamp_min(tiny))), dim=-1)
