@@ -31,12 +31,17 @@ from rl_engine.runtime.plan import MODULES, SIDES, Plan
 
 _TRACEBACK = "Traceback (most recent call last)"
 
-# The backend families an R route of each module launches in every step on every rank.
+# The backend families an R route of each module launches in every step on every rank; the
+# rollout's logp route also computes the sampling logits with det_gemm.
 R_FAMILIES: dict[str, tuple[str, ...]] = {
     "attention": ("det_gemm", "rmsnorm", "rope", "attention"),
     "ffn": ("det_gemm", "rmsnorm", "swiglu"),
     "logp": ("rmsnorm", "linear_logp"),
 }
+
+
+def r_families(module: str, side: str) -> tuple[str, ...]:
+    return R_FAMILIES[module] + (("det_gemm",) if (module, side) == ("logp", "rollout") else ())
 
 
 @dataclass(kw_only=True, slots=True)
@@ -92,6 +97,7 @@ def _backend_tag(device: str) -> str:
 
 def _module_problems(where: str, m: dict[str, Any] | None, want: str, device: str,
                      fallbacks: list[dict], fallback_key: dict) -> list[str]:
+    """fallback_key names the side, module and rank."""
     """What is wrong with one module's record of one step on one rank."""
     if not isinstance(m, dict):
         return [f"{where}: no record of this module"]
@@ -110,7 +116,8 @@ def _module_problems(where: str, m: dict[str, Any] | None, want: str, device: st
         out.append(f"{where}: the {want_impl} route launched {', '.join(foreign)}")
     if want == "R":
         tag = _backend_tag(device)
-        missing = [f for f in R_FAMILIES[str(m.get("module"))] if not counts.get(f"rlkernel.{f}.{tag}.v1")]
+        families = r_families(fallback_key["module"], fallback_key["side"])
+        missing = [f for f in families if not counts.get(f"rlkernel.{f}.{tag}.v1")]
         if missing:
             out.append(f"{where}: no launches of {', '.join(missing)}")
     elif not sum(counts.values()):

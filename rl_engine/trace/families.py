@@ -59,14 +59,16 @@ _CPU_MODULE = {
                   "rollout": ("det_gemm", "rmsnorm", "rope", "attention_fwd", "attention_decode")},
     "ffn": {"training": ("det_gemm", "rmsnorm", "swiglu"),
             "rollout": ("det_gemm", "rmsnorm", "swiglu")},
-    "logp": {"training": ("rmsnorm", "linear_logp"), "rollout": ("rmsnorm", "linear_logp")},
+    # The rollout's logp route also computes the sampling logits with det_gemm.
+    "logp": {"training": ("rmsnorm", "linear_logp"),
+             "rollout": ("det_gemm", "rmsnorm", "linear_logp")},
 }
 # The CUDA gate asks only for the families whose kernels carry an `rlk_` symbol on sm90.
 _CUDA_MODULE = {
     "attention": {"training": ("det_gemm", "attention_fwd", "attention_bwd"),
                   "rollout": ("det_gemm", "attention_fwd", "attention_decode")},
     "ffn": {"training": ("det_gemm", "swiglu"), "rollout": ("det_gemm", "swiglu")},
-    "logp": {"training": ("linear_logp",), "rollout": ("linear_logp",)},
+    "logp": {"training": ("linear_logp",), "rollout": ("det_gemm", "linear_logp")},
 }
 
 
