@@ -77,6 +77,7 @@ class Verdict:
     problems: list[str]
     sides: dict[str, Any]
     source_commit: str | None
+    source_dirty: bool | None
     worker_commits: list[str]
     run_exit_code: int | None = None
     case: dict[str, str] = field(default_factory=dict)
@@ -378,4 +379,5 @@ def judge(run: layout.RunDir | Path, *, expect: Expect | None = None,
         nonfinite_count=data["nonfinite_count"], max_abs_diff=data["max_abs_diff"],
         first_mismatch=first, per_step=[data["per_step"][k] for k in sorted(data["per_step"])],
         fallbacks=fallbacks, problems=problems, sides=sides, source_commit=commit,
+        source_dirty=man.get("source_dirty"),
         worker_commits=worker_commits, run_exit_code=run_exit, case=case, tokens=data["tokens"])
