@@ -96,6 +96,13 @@ def params() -> dict[str, Param]:
                        description="tiny (the embedded preset, generated from a fixed seed) or the "
                                    "absolute path of a Qwen3 folder visible to the Ray workers"),
         "device": Param("cpu", type="string", enum=["cpu", "cuda"], title="Device"),
+        "trainer": Param("builtin", type="string", enum=["builtin", "megatron"], title="Trainer",
+                         description="builtin (rl_engine's Megatron-style trainer) or megatron "
+                                     "(Megatron-core, installed on the Ray workers)"),
+        "rollout_engine": Param("builtin", type="string", enum=["builtin", "vllm"],
+                                title="Rollout engine",
+                                description="builtin (rl_engine's vLLM-style engine) or vllm "
+                                            "(vLLM, installed on the Ray workers)"),
         "launcher": Param("ray", type="string", enum=["ray", "local"], title="Rank launcher",
                           description="ray: each rank is a Ray actor (placed by the cluster); "
                                       "local: ranks are processes of the cell's job"),
@@ -158,6 +165,8 @@ def run_options(conf: dict[str, Any], root: Path, cell: str) -> dict[str, Any]:
     options: dict[str, Any] = {
         "matrix-root": str(root), "case": cell, "workload": conf["workload"],
         "device": conf.get("device") or "cpu",
+        "trainer": conf.get("trainer") or "builtin",
+        "rollout-engine": conf.get("rollout_engine") or "builtin",
         "resume": bool(conf.get("resume")), "rerun-failed": bool(conf.get("rerun_failed")),
         # The aggregate task appends the history once, after every cell.
         "no-history": True,

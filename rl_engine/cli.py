@@ -56,8 +56,8 @@ def run(
     device: str = typer.Option("cpu", help="cpu or cuda"),
     colocate: bool = typer.Option(True, help="training and rollout share GPUs, one after the other; "
                                              "--no-colocate puts rollout on the next ROLLOUT_GPUS"),
-    trainer: str = typer.Option(None, help="the trainer (RLK_TRAINER): builtin"),
-    rollout_engine: str = typer.Option(None, help="the rollout engine (RLK_ROLLOUT_ENGINE): builtin"),
+    trainer: str = typer.Option(None, help="the trainer (RLK_TRAINER): builtin or megatron"),
+    rollout_engine: str = typer.Option(None, help="the rollout engine (RLK_ROLLOUT_ENGINE): builtin or vllm"),
 ) -> int:
     """Run post-training steps under the plan of RL_KERNEL_*_CASE (default: the R/R control)."""
     from rl_engine import envs

@@ -98,8 +98,8 @@ _SETTINGS: dict[str, Callable[[], Any]] = {
     "RLK_MODE": _choice("RLK_MODE", "strict", ("strict", "audit")),
     # The engines of each side (`rlk run --trainer / --rollout-engine`): their ids go into the
     # manifest and name every readback file.
-    "RLK_TRAINER": _choice("RLK_TRAINER", "builtin", ("builtin",)),
-    "RLK_ROLLOUT_ENGINE": _choice("RLK_ROLLOUT_ENGINE", "builtin", ("builtin",)),
+    "RLK_TRAINER": _choice("RLK_TRAINER", "builtin", ("builtin", "megatron")),
+    "RLK_ROLLOUT_ENGINE": _choice("RLK_ROLLOUT_ENGINE", "builtin", ("builtin", "vllm")),
     # Seconds a worker group may take to start before the launcher gives up (exit 3).
     "RLK_WORKER_START_TIMEOUT": _int("RLK_WORKER_START_TIMEOUT", 300),
     # Runbook variables: the operator plan, one case per module (P/P, P/R, R/P, R/R).

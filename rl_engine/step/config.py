@@ -63,12 +63,15 @@ class StepConfig:
         if self.global_batch_size % self.dp:
             raise BadInput(f"GLOBAL_BATCH_SIZE={self.global_batch_size} sequences cannot be split "
                            f"over DP={self.dp} replicas; change ACTOR_GPUS or the batch")
-        from rl_engine.engines.interface import ROLLOUT_ENGINES, TRAINERS
+        from rl_engine.engines.interface import ROLLOUT_ENGINES, TRAINERS, missing_package
 
-        for flag, value, known in (("--trainer", self.trainer, TRAINERS),
-                                   ("--rollout-engine", self.rollout_engine, ROLLOUT_ENGINES)):
+        for flag, side, value, known in (("--trainer", "training", self.trainer, TRAINERS),
+                                         ("--rollout-engine", "rollout", self.rollout_engine,
+                                          ROLLOUT_ENGINES)):
             if value not in known:
                 raise BadInput(f"{flag} {value!r}: use one of {', '.join(known)}")
+            if (why := missing_package(side, value)) is not None:
+                raise BadInput(f"{flag} {value}: {why}")
         if self.tp != self.rollout_gpus_per_engine:
             # Each TP rank rounds its row-parallel partial to bf16 before the fixed-order sum, so
             # the bits of a TP=2 engine are not those of a TP=1 trainer: parity holds per TP size.

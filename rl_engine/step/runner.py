@@ -25,10 +25,11 @@ from rl_engine.evidence import layout, records
 from rl_engine.evidence.compare import compare
 from rl_engine.evidence.layout import RunDir
 from rl_engine.engines import sync
+from rl_engine.engines.interface import rank_class
 from rl_engine.engines.launch import Group, start
-from rl_engine.engines.rollout.worker import RolloutJob, RolloutRank, merge_samples
+from rl_engine.engines.rollout.worker import RolloutJob, merge_samples
 from rl_engine.engines.train.packing import Sample as TrainSample
-from rl_engine.engines.train.rank import TrainerRank, TrainerSpec
+from rl_engine.engines.train.rank import TrainerSpec
 from rl_engine.engines.train.trainer import TrainConfig
 from rl_engine.errors import BadInput, InfrastructureError
 from rl_engine.runtime import preflight
@@ -139,6 +140,12 @@ def _sync(trainers: Group, rollouts: Group, step: int) -> tuple[sync.Published, 
                        "digests": round(published.seconds["digest"] + rollout_digest, 3)}
 
 
+def rollout_world(cls: type, config: StepConfig) -> int:
+    """Processes the launcher starts for the rollout side: one per rank, or one per engine for an
+    engine that starts its own TP workers (vLLM)."""
+    return config.engines if getattr(cls, "one_process_per_engine", False) else config.rollout_gpus
+
+
 def run_steps(*, plan: Plan, config: StepConfig, inputs: Inputs, run: RunDir, run_id: str,
               trace: bool = False, on_phase: Callable[[str], None] = lambda _: None) -> list[StepFigures]:
     check_device(plan, config)
@@ -149,12 +156,13 @@ def run_steps(*, plan: Plan, config: StepConfig, inputs: Inputs, run: RunDir, ru
     sync_dir = sync.shared_folder(run_id)
     trainer_spec, rollout_job = _specs(plan, config, inputs, run, run_id, trace, sync_dir)
     figures: list[StepFigures] = []
+    rollout_cls = rank_class("rollout", config.rollout_engine)
     t0 = time.monotonic()
     on_phase(f"starting {config.actor_gpus} training and {config.rollout_gpus} rollout ranks")
     try:
-        with start(TrainerRank, config.actor_gpus, args=(trainer_spec,), device=config.device,
+        with start(rank_class("training", config.trainer), config.actor_gpus, args=(trainer_spec,), device=config.device,
                    name="training") as trainers, \
-                start(RolloutRank, config.rollout_gpus, args=(rollout_job,), device=config.device,
+                start(rollout_cls, rollout_world(rollout_cls, config), args=(rollout_job,), device=config.device,
                       first_gpu=config.rollout_first_gpu, name="rollout") as rollouts:
             held = set(rollouts.call("weights_checksum"))
             if held != {checkpoint_digest}:
