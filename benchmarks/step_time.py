@@ -9,7 +9,8 @@ load falls on both; a ratio is median(R/R) / median(P/P). The model is generated
 (`tiny`, `small` or `medium`); CPU or CUDA ranks.
 
     python benchmarks/step_time.py [--workload default|ci] [--steps 4] [--repeats 2]
-        [--model tiny|small|medium] [--device cpu|cuda] [--tp N --cp N --actor-gpus N
+        [--model tiny|small|medium] [--device cpu|cuda] [--trainer builtin|megatron]
+        [--rollout-engine builtin|vllm] [--tp N --cp N --actor-gpus N
          --rollout-gpus N --rollout-gpus-per-engine N --rollout-batch-size N
          --n-samples-per-prompt N --max-response-len N]
 """
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 from rl_engine.artifacts import files, ids, provenance
+from rl_engine.engines.interface import ROLLOUT_ENGINES, TRAINERS
 from rl_engine.evidence import layout as run_dirs
 from rl_engine.models.generate import init_model
 from rl_engine.runtime.plan import Plan
@@ -84,6 +86,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULT)
     parser.add_argument("--model", default="tiny", choices=("tiny", "small", "medium"))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--trainer", default=None, choices=TRAINERS,
+                        help="the trainer's engine id (default: RLK_TRAINER, else builtin)")
+    parser.add_argument("--rollout-engine", default=None, choices=ROLLOUT_ENGINES,
+                        help="the rollout engine's id (default: RLK_ROLLOUT_ENGINE, else builtin)")
     for name in LAYOUT:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     args = parser.parse_args()
@@ -92,9 +98,11 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     info = machine()
     config = StepConfig.resolve(args.workload, steps=args.steps, device=args.device,
+                                trainer=args.trainer, rollout_engine=args.rollout_engine,
                                 **{name: getattr(args, name) for name in LAYOUT})
     print(f"torch {info['torch']}, {info['cpu_count']} CPUs, load {info['load_average_at_start'][0]:.1f}; "
-          f"model {args.model} on {args.device}, workload {args.workload}: TP {config.tp} x CP "
+          f"model {args.model} on {args.device}, workload {args.workload}, trainer {config.trainer}, "
+          f"rollout engine {config.rollout_engine}: TP {config.tp} x CP "
           f"{config.cp} x DP {config.dp} trainer, {config.engines} rollout engine(s) of TP "
           f"{config.rollout_gpus_per_engine}, {config.numel_per_step} tokens a step, {args.steps} steps")
     runs = []
@@ -121,6 +129,7 @@ def main() -> int:
         "schema_version": SCHEMA_VERSION, "benchmark": "step_time", "commit": src["commit"],
         "dirty": src["dirty"], "machine": info, "model": args.model, "device": args.device,
         "workload": args.workload, "steps": args.steps,
+        "trainer": config.trainer, "rollout_engine": config.rollout_engine,
         "layout": config.as_dict(), "repeats": args.repeats,
         "plans": {case: plan.as_dict() for case, plan in PLANS.items()},
         "median_seconds": med, "ratio_r_over_p": ratio, "runs": runs})
