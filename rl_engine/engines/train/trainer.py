@@ -66,6 +66,10 @@ class Trainer:
     """This rank's shard of the model, its fp32 master weights and AdamW state. Every rank of the
     layout calls step() with the same samples; DP ranks take contiguous slices of them."""
 
+    # Parameter names the gradient rules single out; a trainer over another model names its own.
+    head_name = "lm_head"
+    qk_norm_names = ("q_norm", "k_norm")
+
     def __init__(self, model_config: Qwen3Config, state: dict[str, torch.Tensor], plan: Plan,
                  config: TrainConfig, *, reward_fn: loss.RewardFn = loss.even_token_reward):
         self.config, self.reward_fn = config, reward_fn
@@ -101,7 +105,7 @@ class Trainer:
             for n, p in self.params.items():
                 # The LM head runs on rows gathered over CP, so its gradient is the same on every
                 # CP rank: counted once.
-                if p.grad is not None and not (n == "lm_head" and lay.cp_rank != 0):
+                if p.grad is not None and not (n == self.head_name and lay.cp_rank != 0):
                     main[n] += p.grad.float()
                 p.grad = None
         self._reduce(main)
@@ -174,7 +178,7 @@ class Trainer:
         lay = self.layout
         if lay.tp > 1:
             for n in main:
-                if n.endswith(("q_norm", "k_norm")):
+                if n.endswith(self.qk_norm_names):
                     main[n] = self.router.collective("attention", "all_reduce", main[n],
                                                      lay.tp_group)
         names = list(main)
