@@ -52,9 +52,9 @@ def test_det_gemm_rows_do_not_depend_on_batch_or_position(ops, dtype):
     assert torch.equal(ops.det_gemm(x[5:6], w, bias), yb[5:6])
 
 
-# With M x N over this grid, choose_gemm_tile on a 132-SM H200 picks every tile the kernel has (64
-# rows by 8, 16, 32, 64 columns with 1, 2 or 4 CTAs an SM; 128 rows by 32, 64, 128, 256 columns),
-# including A boxes shorter than the tile (M < 64) and rows that start mid-tile (offsets).
+# With M x N over this grid, choose_gemm_tile on a 132-SM H200 picks every tile the kernel has:
+# swapped slabs of 16, 32 and 64 weight rows by 8, 16, 32 and 64 tokens (1, 2 or 4 CTAs an SM, M
+# below the token width), 128 rows by 32, 64, 128 and 256 columns; rows that start mid-tile too.
 GEMM_TILE_NS = (1024, 2048, 4096, 8448, 16896, 33792)
 GEMM_ROW_MS = (1, 2, 3, 4, 8, 16, 17, 32, 64, 65, 128, 256, 1000, 1024, 4096, 4097, 8192)
 

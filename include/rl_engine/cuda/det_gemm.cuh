@@ -2,14 +2,17 @@
 //
 // The reduction order is one for every shape: K walked in 64-wide blocks from 0 upwards, each block
 // four wgmma k16 steps into one fp32 accumulator, zero-filled past K; no split-K, no stream-K, no
-// atomic. What changes with the shape is only the output tile (64 or 128 rows, 8 to 256 columns,
-// picked by choose_gemm_tile) and how many K blocks one shared-memory stage holds: a row's bits
-// depend only on that row and B, not on M, on the row's position, on the tile or on the grid.
+// atomic. What changes with the shape is only the output tile (picked by choose_gemm_tile), whether
+// the tile is swapped (B's rows as its rows), and how many K blocks one shared-memory stage holds: a
+// row's bits depend only on that row and B, not on M, on the row's position, on the tile or on the
+// grid. A swapped tile gives an element the same k16 steps with the operands' roles exchanged, and
+// the products are exact in fp32, so it gives the same bits (the row tests hold it to that).
 //
-// The grid is persistent (one CTA per SM, tiles strided over CTAs); warpgroup 0 is the producer (one
-// thread issues bulk tensor copies into a ring of shared-memory stages guarded by mbarriers), each
-// consumer warpgroup owns 64 rows of the tile. At small M the GEMM streams B: narrow tiles give
-// every SM a slice of B's rows, and A's box shrinks to the rows that exist, so the ring holds B.
+// The grid is persistent (tiles strided over CTAs); warpgroup 0 is the producer (one thread issues
+// bulk tensor copies into a ring of shared-memory stages guarded by mbarriers), each consumer
+// warpgroup owns 64 rows of the tile. At decode sizes the GEMM streams B: swapped tiles give every
+// SM its own slab of B's rows, M is the narrow side of the instruction, and a launch with fewer
+// tiles than SMs can hold gives each CTA the deeper ring.
 //
 // The epilogue is a functor called by each consumer warpgroup with its 64 x BN fp32 fragment, so
 // the same main loop serves det_gemm's store and the fused log-sum-exp tiles of linear_logp.
@@ -30,7 +33,7 @@ namespace rl_engine::cuda {
 namespace gemm_cfg {
 constexpr int kBK = 64;  // one K block: 64 16-bit values, one 128-byte swizzled row per tile row
 constexpr int kRowBytes = kBK * 2;
-constexpr int kMaxStages = 16;
+constexpr int kMaxStages = 32;
 constexpr int kSmPerSmem = 233472;  // shared memory of one SM, 1 KB of it reserved per resident CTA
 // wgmma reads 64 rows of A per consumer; where A's box is shorter (M < 64), the rows past it come
 // from whatever follows in shared memory and only reach output rows that are never stored.
@@ -73,13 +76,17 @@ __device__ __forceinline__ void gemm_tile_coords(int tile, int m_blocks, int n_b
 
 // Fragment layout of one consumer (m64nBN fp32): thread t of the warpgroup holds, for each 8-column
 // block j, acc[4j + 2h + e] = C[row0 + 16 (t / 32) + (t % 32) / 4 + 8h, col0 + 8j + 2 (t % 4) + e].
-template <int kConsumers, int kBN, bool kHalf, typename Epi>
-__global__ void __launch_bounds__(128 * (1 + kConsumers), gemm_cfg::gemm_max_occupancy(kConsumers, kBN))
+// A tile of kBM < 64 rows (16 or 32) still runs m64 wgmma: its rows past kBM read whatever follows
+// in shared memory and only reach fragment rows that belong to no output (the epilogue is told the
+// tile's last row).
+template <int kBM, int kBN, int kSubs, bool kHalf, typename Epi>
+__global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
+                                  gemm_cfg::gemm_max_occupancy(kBM > 64 ? 2 : 1, kBN))
     rlk_det_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                              const __grid_constant__ CUtensorMap map_b, int m, int n, int k,
                              const GemmRing ring, const Epi epi) {
   using namespace gemm_cfg;
-  constexpr int kBM = 64 * kConsumers, kSubs = gemm_subs(kBN);
+  constexpr int kConsumers = kBM > 64 ? 2 : 1;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t base = (ptx::smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t bars = base + ring.stages * ring.stage_bytes + kSlackBytes;
@@ -157,7 +164,8 @@ __global__ void __launch_bounds__(128 * (1 + kConsumers), gemm_cfg::gemm_max_occ
     if (held >= 0 && tid == 0) ptx::mbar_arrive(empty(held));
 #pragma unroll
     for (int i = 0; i < kBN / 2; ++i) ptx::reg_fence(acc[i]);
-    epi(acc, mb * kBM + c * 64, nb * kBN, m, n);
+    const int row_end = (mb + 1) * kBM < m ? (mb + 1) * kBM : m;
+    epi(acc, mb * kBM + c * 64, nb * kBN, row_end, n);
   }
 }
 
@@ -235,6 +243,14 @@ struct StoreEpilogue {
     }
   }
 
+  __device__ __forceinline__ void store_one(int row, int col, float v, int m, int n) const {
+    if (row >= m || col >= n) return;
+    Out* p = out + static_cast<int64_t>(row) * ldo + col;
+    if (bias != nullptr) v = v + bias[col];
+    if (accumulate) v = to_float(p[0]) + v;
+    p[0] = from_float<Out>(v);
+  }
+
   template <int kA>
   __device__ __forceinline__ void operator()(const float (&acc)[kA], int row0, int col0, int m,
                                              int n) const {
@@ -244,6 +260,29 @@ struct StoreEpilogue {
     for (int j = 0; j < kA / 4; ++j) {
       store_pair(r, cq + 8 * j, acc[4 * j], acc[4 * j + 1], m, n);
       store_pair(r + 8, cq + 8 * j, acc[4 * j + 2], acc[4 * j + 3], m, n);
+    }
+  }
+};
+
+// The epilogue of a swapped launch (B's rows as the tile's rows, A's as its columns): the fragment
+// holds C transposed, so element (i, j) goes to the inner epilogue as C[j, i], one value at a time.
+template <typename Epi>
+struct SwapEpilogue {
+  static constexpr bool kAnyWidth = true;
+  Epi inner;
+
+  template <int kA>
+  __device__ __forceinline__ void operator()(const float (&acc)[kA], int row0, int col0, int m,
+                                             int n) const {
+    const int t = threadIdx.x % 128;
+    const int r = row0 + (t / 32) * 16 + (t % 32) / 4, cq = col0 + (t % 4) * 2;
+#pragma unroll
+    for (int j = 0; j < kA / 4; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        inner.store_one(cq + 8 * j, r + 8 * h, acc[4 * j + 2 * h], n, m);
+        inner.store_one(cq + 8 * j + 1, r + 8 * h, acc[4 * j + 2 * h + 1], n, m);
+      }
     }
   }
 };
@@ -294,45 +333,20 @@ inline cudaError_t encode_tma_2d(CUtensorMap* map, const void* ptr, DType dtype,
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// Output tile of the sm_90a kernel: 64 * consumers rows by bn columns.
+// Output tile of the sm_90a kernel: bm rows (16, 32 or 64 on one consumer warpgroup, 128 on two) by
+// bn columns (8 to 256). A swapped tile runs the product as C^T = B A^T: its rows are B's (the
+// weight's, N of them) and its columns A's, so at decode sizes M is the narrow side of the wgmma and
+// every CTA streams a slab of bm weight rows. Each output element is still the same chain of k16
+// steps over the same K blocks; only which operand the instruction calls A changes.
 struct GemmTile {
-  int consumers, bn;
+  int bm, bn;
+  bool swap;
 };
 
-inline GemmRing gemm_ring(GemmTile t, int m);
-
-// The one tile choice of det_gemm (forward and both backward products). It may look at M, N and the
-// SM count because the tile never changes a row's bits (see the top of this file); K is not looked
-// at. Above M = 64: 128-row tiles, the widest of 256, 128, 64, 32 columns whose tiles keep at least
-// 80% of the SMs busy in every wave of the persistent grid. Up to M = 64 (decode), 64-row tiles, and
-// the time is the longest of three, estimated per K element for each width: a row's chain of
-// dependent k16 steps, waves of resident CTAs x (48 + bn / 2) cycles / 16 (narrow steps are shorter;
-// resident CTAs run their chains side by side); moving A and B from L2, tiles per SM x (A rows + bn)
-// x 2 bytes at 64 bytes per cycle; and B from memory, N x 2 bytes over the busy SMs at 32 bytes per
-// cycle each. The cheapest wins, the wider on a tie.
-inline GemmTile choose_gemm_tile(int m, int n, int num_sms) {
-  static constexpr int kOne[] = {64, 32, 16, 8}, kTwo[] = {256, 128, 64, 32};
-  if (m > 64) {
-    const int64_t m_blocks = (m + 127) / 128;
-    for (int bn : kTwo) {
-      const int64_t tiles = m_blocks * ((n + bn - 1) / bn), waves = (tiles + num_sms - 1) / num_sms;
-      if (10 * tiles >= 8 * waves * num_sms) return {2, bn};
-    }
-    return {2, kTwo[3]};
-  }
-  GemmTile best{1, kOne[0]};
-  double best_cost = 1e30;
-  for (int bn : kOne) {
-    const GemmTile t{1, bn};
-    const GemmRing r = gemm_ring(t, m);
-    const int64_t tiles = (n + bn - 1) / bn, slots = static_cast<int64_t>(r.occupancy) * num_sms;
-    const double chain = static_cast<double>((tiles + slots - 1) / slots) * (48 + bn / 2) / 16;
-    const double l2 = static_cast<double>((tiles + num_sms - 1) / num_sms) * (r.a_rows + bn) * 2 / 64;
-    const double hbm = 2.0 * n / (32.0 * (tiles < num_sms ? tiles : num_sms));
-    const double cost = chain > l2 ? (chain > hbm ? chain : hbm) : (l2 > hbm ? l2 : hbm);
-    if (cost < best_cost) best_cost = cost, best = t;
-  }
-  return best;
+// K blocks per stage of a tile: at least 8 KB of the streamed operand (B's bn rows, or a swapped
+// tile's bm rows) per barrier round trip.
+__host__ __device__ constexpr int gemm_tile_subs(int bm, int bn, bool swap) {
+  return gemm_subs(swap ? bm : bn);
 }
 
 // Shared memory for the stages of one CTA when `occupancy` CTAs share an SM.
@@ -340,18 +354,22 @@ inline int gemm_ring_bytes(int occupancy) {
   return gemm_cfg::kSmPerSmem / occupancy - 1024 - gemm_cfg::kOverhead;
 }
 
-// The ring for a tile: A's box holds only the rows that exist (M rounded up to 8) when M is below
-// the tile height; gemm_subs K blocks a stage; as many stages as fit.
-inline GemmRing gemm_ring(GemmTile t, int m) {
+// The ring of a launch whose A has m rows and which has `tiles` tiles: A's box holds only the rows
+// that exist (m rounded up to 8) when m is below the tile height; `subs` K blocks a stage; as many
+// stages as fit. A launch with fewer tiles than resident slots runs fewer CTAs an SM, each with a
+// deeper ring: a weight stream is paced by the bytes in flight per SM.
+inline GemmRing gemm_ring(int bm, int bn, int subs, int m, int64_t tiles, int num_sms) {
   using namespace gemm_cfg;
   GemmRing r{};
-  const int bm = 64 * t.consumers;
   r.a_rows = m >= bm ? bm : (m + 7) / 8 * 8;
   r.a_bytes = static_cast<uint32_t>(r.a_rows * kRowBytes);
-  r.b_bytes = static_cast<uint32_t>(t.bn * kRowBytes);
-  r.stage_bytes = gemm_subs(t.bn) * (r.a_bytes + r.b_bytes);
-  // The most resident CTAs that still leave each a ring of 4 stages (one where nothing else fits).
-  for (r.occupancy = gemm_cfg::gemm_max_occupancy(t.consumers, t.bn);; r.occupancy /= 2) {
+  r.b_bytes = static_cast<uint32_t>(bn * kRowBytes);
+  r.stage_bytes = subs * (r.a_bytes + r.b_bytes);
+  const int64_t per_sm = (tiles + num_sms - 1) / num_sms;
+  const int most = gemm_max_occupancy(bm > 64 ? 2 : 1, bn);
+  // The most resident CTAs useful (and allowed) that still leave each a ring of 4 stages (one where
+  // nothing else fits).
+  for (r.occupancy = per_sm < most ? static_cast<int>(per_sm) : most;; r.occupancy /= 2) {
     const int fit = static_cast<int>(gemm_ring_bytes(r.occupancy) / r.stage_bytes);
     r.stages = fit < kMaxStages ? fit : kMaxStages;
     if (r.stages >= 4 || r.occupancy == 1) break;
@@ -359,26 +377,64 @@ inline GemmRing gemm_ring(GemmTile t, int m) {
   return r;
 }
 
-template <int kConsumers, int kBN, typename Epi>
-cudaError_t launch_det_gemm_tile(const GemmOperands& op, const Epi& epi, int num_sms,
+// The one tile choice of det_gemm (forward and both backward products). It may look at M, N and the
+// SM count because the tile never changes a row's bits (see the top of this file); K is not looked
+// at. Above M = 64: 128-row tiles, the widest of 256, 128, 64, 32 columns whose tiles keep at least
+// 80% of the SMs busy in every wave of the persistent grid. Up to M = 64 (decode) the product is a
+// stream of the weight: swapped tiles with M rounded up to 8, 16, 32 or 64 as the narrow side, and
+// slabs of 32 weight rows; 64 rows where that still leaves two slabs an SM (one with 64 tokens, whose
+// own rows would otherwise be read twice as often as the weight), 16 where 32-row slabs would leave
+// most SMs idle. Measured on an H200: a CTA streams about one slab row per k16 step of its chain, so
+// the slab sets how many SMs the stream is spread over and how fast each one pulls.
+inline GemmTile choose_gemm_tile(int m, int n, int num_sms) {
+  if (m > 64) {
+    static constexpr int kTwo[] = {256, 128, 64, 32};
+    const int64_t m_blocks = (m + 127) / 128;
+    for (int bn : kTwo) {
+      const int64_t tiles = m_blocks * ((n + bn - 1) / bn), waves = (tiles + num_sms - 1) / num_sms;
+      if (10 * tiles >= 8 * waves * num_sms) return {128, bn, false};
+    }
+    return {128, kTwo[3], false};
+  }
+  const int bn = m <= 8 ? 8 : m <= 16 ? 16 : m <= 32 ? 32 : 64;
+  const int64_t slabs64 = (n + 63) / 64, slabs32 = (n + 31) / 32;
+  if (slabs64 >= 2 * num_sms || (bn == 64 && 4 * slabs64 >= 5 * num_sms)) return {64, bn, true};
+  if (2 * slabs32 >= num_sms) return {32, bn, true};
+  return {16, bn, true};
+}
+
+template <int kBM, int kBN, int kSubs, typename Epi>
+cudaError_t launch_det_gemm_grid(const GemmOperands& op, const Epi& epi, int num_sms,
                                  cudaStream_t stream) {
   using namespace gemm_cfg;
-  constexpr int kBM = 64 * kConsumers;
   if (op.m <= 0 || op.n <= 0) return cudaSuccess;
-  const GemmRing ring = gemm_ring({kConsumers, kBN}, op.m);
+  const int64_t tiles = static_cast<int64_t>((op.m + kBM - 1) / kBM) * ((op.n + kBN - 1) / kBN);
+  const GemmRing ring = gemm_ring(kBM, kBN, kSubs, op.m, tiles, num_sms);
   CUtensorMap map_a, map_b;
   cudaError_t e = encode_tma_2d(&map_a, op.a, op.dtype, op.m, op.k, op.lda, ring.a_rows);
   if (e == cudaSuccess) e = encode_tma_2d(&map_b, op.b, op.dtype, op.n, op.k, op.ldb, kBN);
   if (e != cudaSuccess) return e;
-  auto kernel = op.dtype == DType::kF16 ? rlk_det_gemm_sm90_kernel<kConsumers, kBN, true, Epi>
-                                        : rlk_det_gemm_sm90_kernel<kConsumers, kBN, false, Epi>;
+  auto kernel = op.dtype == DType::kF16 ? rlk_det_gemm_sm90_kernel<kBM, kBN, kSubs, true, Epi>
+                                        : rlk_det_gemm_sm90_kernel<kBM, kBN, kSubs, false, Epi>;
   const int smem = ring.stages * static_cast<int>(ring.stage_bytes) + kOverhead;
   e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
-  const int tiles = ((op.m + kBM - 1) / kBM) * ((op.n + kBN - 1) / kBN);
-  const int grid = tiles < ring.occupancy * num_sms ? tiles : ring.occupancy * num_sms;
-  kernel<<<grid, 128 * (1 + kConsumers), smem, stream>>>(map_a, map_b, op.m, op.n, op.k, ring, epi);
+  const int grid = tiles < ring.occupancy * num_sms ? static_cast<int>(tiles) : ring.occupancy * num_sms;
+  kernel<<<grid, kBM > 64 ? 384 : 256, smem, stream>>>(map_a, map_b, op.m, op.n, op.k, ring, epi);
   return cudaGetLastError();
+}
+
+// One tile: a swapped one launches B as the rows and A as the columns.
+template <int kBM, int kBN, bool kSwap, typename Epi>
+cudaError_t launch_det_gemm_tile(const GemmOperands& op, const Epi& epi, int num_sms,
+                                 cudaStream_t stream) {
+  constexpr int kSubs = gemm_tile_subs(kBM, kBN, kSwap);
+  if constexpr (kSwap) {
+    const GemmOperands t{op.b, op.ldb, op.a, op.lda, op.n, op.m, op.k, op.dtype};
+    return launch_det_gemm_grid<kBM, kBN, kSubs>(t, SwapEpilogue<Epi>{epi}, num_sms, stream);
+  } else {
+    return launch_det_gemm_grid<kBM, kBN, kSubs>(op, epi, num_sms, stream);
+  }
 }
 
 template <typename Epi, typename = void>
@@ -386,28 +442,38 @@ struct AnyWidth : std::false_type {};
 template <typename Epi>
 struct AnyWidth<Epi, std::void_t<decltype(Epi::kAnyWidth)>> : std::bool_constant<Epi::kAnyWidth> {};
 
+template <int kBM, typename Epi>
+cudaError_t launch_det_gemm_swapped(int bn, const GemmOperands& op, const Epi& epi, int num_sms,
+                                    cudaStream_t stream) {
+  switch (bn) {
+    case 8: return launch_det_gemm_tile<kBM, 8, true>(op, epi, num_sms, stream);
+    case 16: return launch_det_gemm_tile<kBM, 16, true>(op, epi, num_sms, stream);
+    case 32: return launch_det_gemm_tile<kBM, 32, true>(op, epi, num_sms, stream);
+    default: return launch_det_gemm_tile<kBM, 64, true>(op, epi, num_sms, stream);
+  }
+}
+
 // det_gemm on the tile choose_gemm_tile picks; an epilogue written for the 64 x 256 fragment alone
 // (linear_logp's) always gets the 128 x 256 tile.
 template <typename Epi>
 cudaError_t launch_det_gemm_sm90(const GemmOperands& op, const Epi& epi, int num_sms,
                                  cudaStream_t stream) {
   if constexpr (!AnyWidth<Epi>::value) {
-    return launch_det_gemm_tile<2, 256>(op, epi, num_sms, stream);
+    return launch_det_gemm_tile<128, 256, false>(op, epi, num_sms, stream);
   } else {
     const GemmTile t = choose_gemm_tile(op.m, op.n, num_sms);
-    if (t.consumers == 1) {
-      switch (t.bn) {
-        case 64: return launch_det_gemm_tile<1, 64>(op, epi, num_sms, stream);
-        case 32: return launch_det_gemm_tile<1, 32>(op, epi, num_sms, stream);
-        case 16: return launch_det_gemm_tile<1, 16>(op, epi, num_sms, stream);
-        default: return launch_det_gemm_tile<1, 8>(op, epi, num_sms, stream);
+    if (t.swap) {
+      switch (t.bm) {
+        case 64: return launch_det_gemm_swapped<64>(t.bn, op, epi, num_sms, stream);
+        case 32: return launch_det_gemm_swapped<32>(t.bn, op, epi, num_sms, stream);
+        default: return launch_det_gemm_swapped<16>(t.bn, op, epi, num_sms, stream);
       }
     }
     switch (t.bn) {
-      case 256: return launch_det_gemm_tile<2, 256>(op, epi, num_sms, stream);
-      case 128: return launch_det_gemm_tile<2, 128>(op, epi, num_sms, stream);
-      case 64: return launch_det_gemm_tile<2, 64>(op, epi, num_sms, stream);
-      default: return launch_det_gemm_tile<2, 32>(op, epi, num_sms, stream);
+      case 256: return launch_det_gemm_tile<128, 256, false>(op, epi, num_sms, stream);
+      case 128: return launch_det_gemm_tile<128, 128, false>(op, epi, num_sms, stream);
+      case 64: return launch_det_gemm_tile<128, 64, false>(op, epi, num_sms, stream);
+      default: return launch_det_gemm_tile<128, 32, false>(op, epi, num_sms, stream);
     }
   }
 }
