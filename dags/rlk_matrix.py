@@ -169,7 +169,8 @@ with DAG(
         for line in (done.stdout + done.stderr).splitlines():
             log.info("%s", line)
         written = report.exists() and report.stat().st_mtime != started
-        if done.returncode == 2:
+        # With a report written, exit 2 is the verdict (a cell refused its input), judged below.
+        if done.returncode == 2 and not written:
             raise AirflowFailException("rlk matrix analyze refused its input (exit 2); see the log")
         if not written:
             raise AirflowException(f"rlk matrix analyze exited {done.returncode} without writing {report}")

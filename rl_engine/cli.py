@@ -144,6 +144,15 @@ def _mount_subcommands() -> None:
     app.add_typer(gate_app, name="gate")
 
 
+def _help_of(ctx) -> str:
+    """`rlk <verb ...> --help` for the command a usage error came from."""
+    words = []
+    while ctx is not None and ctx.parent is not None:
+        words.insert(0, ctx.info_name)
+        ctx = ctx.parent
+    return " ".join(["rlk", *words, "--help"])
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     _mount_subcommands()
@@ -151,15 +160,15 @@ def main(argv: list[str] | None = None) -> int:
         result = app(args=argv, standalone_mode=False)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else errors.BAD_INPUT
+    except typer.TyperException as exc:  # a usage error: an unknown flag, verb or a bad value
+        message = exc.format_message().rstrip(".")
+        if message:  # empty when the help was shown for a verb given without arguments
+            console.print(f"[red]error[/] ({type(exc).__name__}): {message}; "
+                          f"see `{_help_of(getattr(exc, 'ctx', None))}`", highlight=False)
+        code = errors.BAD_INPUT
     except Exception as exc:  # noqa: BLE001 - every error leaves with the contract's exit code
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            code = errors.BAD_INPUT
-        else:
-            code = errors.exit_code_for(exc)
-            console.print(f"[red]error[/] ({type(exc).__name__}): {exc}", highlight=False)
+        code = errors.exit_code_for(exc)
+        console.print(f"[red]error[/] ({type(exc).__name__}): {exc}", highlight=False)
     else:
         code = result if isinstance(result, int) else 0
     print(f"[rlk] exit-code {code}", file=sys.stderr)

@@ -32,6 +32,18 @@ def matrix_id(root: Path) -> str:
         return ids.sanitize(Path(root).resolve().name)
 
 
+def check_root(root: Path) -> None:
+    """A matrix root holds matrix.json or a cell's folder; anything else is refused before a
+    report is written into it."""
+    if not root.is_dir():
+        raise errors.BadInput(f"matrix root {root} does not exist; give the --matrix-root that "
+                              "rlk matrix run wrote")
+    cells = MatrixRoot(root)
+    if not cells.matrix_file.is_file() and not any(cells.cell(c).is_dir() for c in ALL_CELLS):
+        raise errors.BadInput(f"{root} is not a matrix root: it holds neither matrix.json nor a "
+                              "cell's folder; give the --matrix-root that rlk matrix run wrote")
+
+
 def run_id_of(mid: str, cell: str, attempt: str) -> str:
     return f"{mid}-{cell}-{attempt}"
 
@@ -142,12 +154,17 @@ def verdict(cells: list[dict[str, Any]]) -> dict[str, Any]:
     complete = all(c["evidence_complete"] for c in cells)
     required = [c for c in cells if c["bitwise_required"]]
     passed = bool(cells) and all(c["passed"] for c in cells)
-    code = errors.OK if passed else (errors.INFRASTRUCTURE if not complete else errors.PARITY_FAILURE)
+    refused = [c["cell"] for c in cells if c["latest"]["exit_code"] == errors.BAD_INPUT]
+    # A refused input is the answer that must be fixed first (no retry changes it), then missing
+    # evidence (retried), then a parity failure.
+    code = (errors.BAD_INPUT if refused else errors.INFRASTRUCTURE if not complete
+            else errors.OK if passed else errors.PARITY_FAILURE)
     return {"evidence_complete": complete, "bitwise": all(c["bitwise"] for c in required),
             "bitwise_required": bool(required), "passed": passed, "exit_code": code,
             "failed_cells": [c["cell"] for c in cells if c["state"] == "failed"],
             "pending_cells": [c["cell"] for c in cells if c["state"] == "pending"],
-            "incomplete_cells": [c["cell"] for c in cells if not c["evidence_complete"]]}
+            "incomplete_cells": [c["cell"] for c in cells if not c["evidence_complete"]],
+            "bad_input_cells": refused}
 
 
 def analyze(root: Path, *, cells: list[str] | None = None, baseline: bool = False,
@@ -157,6 +174,7 @@ def analyze(root: Path, *, cells: list[str] | None = None, baseline: bool = Fals
     from rl_engine.matrix.attribution import attribute
 
     root = Path(root)
+    check_root(root)
     mid = matrix_id(root)
     names = [c for c in ALL_CELLS if c in set(cells)] if cells else expected_cells(root, baseline)
     results = [analyze_cell(root, c, mid, final=final) for c in names]

@@ -56,7 +56,8 @@ def run_cmd(
     history: bool = typer.Option(True, help="append this matrix to the history"),
 ) -> int:
     """Run the control, then the isolation cells, each as `rlk run` in a new attempt; analyze.
-    Exit 0 when the cells run pass, 1 on a parity failure, 3 when evidence is incomplete."""
+    Exit 2 when a cell refused its input, else 3 when a cell's evidence is incomplete, else 1 on a
+    parity failure, else 0."""
     from rl_engine.matrix import runner
 
     overrides = dict(steps=steps, tp=tp, cp=cp, actor_gpus=actor_gpus, rollout_gpus=rollout_gpus,
@@ -87,12 +88,9 @@ def analyze_cmd(
                                                             "is pending (the matrix still runs)"),
 ) -> int:
     """Judge every cell's latest attempt; write the matrix report and its Parquet tables."""
-    from rl_engine.errors import BadInput
     from rl_engine.matrix import analyze
     from rl_engine.runtime.plan import normalize_cell
 
-    if not matrix_root.is_dir():
-        raise BadInput(f"matrix root {matrix_root} does not exist")
     cells = [normalize_cell(c) for c in case] if case else None
     report = analyze.write_report(matrix_root, output, cells=cells, baseline=baseline, final=final)
     if history_root is not None:

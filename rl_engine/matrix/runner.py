@@ -3,24 +3,33 @@
 Each cell runs as a subprocess in its own session (process group) with the plan, run id and run
 directory in its environment; its console output is streamed to ours and kept in console.log. The
 group is killed once the run exits, times out, fails or is interrupted, so no worker of one cell
-outlives it. The case file is written into the attempt folder before the run starts (run
-directories admit the files the matrix writes, see rl_engine/evidence/layout.py), so even a run
-killed at once says what it was. An attempt folder is never reused: --resume starts a new attempt
-for every cell whose latest one is incomplete (and with --rerun-failed, did not pass).
+outlives it. A cell also dies with its runner: the run gets SIGKILL when the runner dies (a
+parent-death signal), and a watchdog (watchdog.py) kills the whole group once the runner is gone.
+A lock file in the cell's folder, held as long as the cell's run lives (the run inherits it),
+forbids a second live attempt of the cell. The case file is written into the attempt folder before
+the run starts (run directories admit the files the matrix writes, see
+rl_engine/evidence/layout.py), so even a run killed at once says what it was; a run that exits
+without writing its exit code (bad input refused before its run directory) has it recorded. An
+attempt folder is never reused: --resume keeps a cell whose latest attempt's exit code is 0, 1 or 2
+(answers a rerun would repeat) and starts a new attempt for any other (and with --rerun-failed, for
+one that did not pass).
 """
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Sequence, TextIO
+from typing import Any, Callable, Iterator, Sequence, TextIO
 
 from rl_engine import envs, errors
 from rl_engine.artifacts import files, ids, provenance
@@ -32,6 +41,13 @@ from rl_engine.runtime.plan import ALL_CELLS, ISOLATION_CELLS, MODULES, cell_pla
 # How a cell's `rlk run` is started; tests swap in a stand-in.
 RLK_COMMAND: tuple[str, ...] = (sys.executable, "-m", "rl_engine.cli")
 _KILL_GRACE_S = 5.0
+# How long a cell waits for another live attempt of it to end (a killed runner's cell dies within
+# a second or so) before it is refused as an infrastructure failure (retried by orchestration).
+LOCK_WAIT_S = 15.0
+LOCK_FILE = "cell.lock"
+KEPT_EXIT_CODES = (errors.OK, errors.PARITY_FAILURE, errors.BAD_INPUT)
+_PRCTL = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # loaded before any fork
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(kw_only=True)
@@ -105,6 +121,66 @@ def _kill_group(pgid: int) -> None:
             time.sleep(0.05)
 
 
+def _die_with(parent: int) -> Callable[[], None]:
+    """preexec_fn of a cell: SIGKILL when the runner dies; a runner already gone ends it at once.
+    It runs between fork and exec, so it only calls the C function loaded before the fork."""
+    def arm() -> None:
+        if _PRCTL is not None:
+            _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(errors.INFRASTRUCTURE)
+    return arm
+
+
+class _Watchdog:
+    """The runner's watchdog process (one per runner, started with its first cell)."""
+
+    proc: subprocess.Popen | None = None
+
+    @classmethod
+    def tell(cls, line: str) -> None:
+        if cls.proc is None or cls.proc.poll() is not None:
+            script = Path(__file__).with_name("watchdog.py")
+            cls.proc = subprocess.Popen([sys.executable, "-I", str(script)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        start_new_session=True, text=True)
+        cls.proc.stdin.write(line + "\n")
+        cls.proc.stdin.flush()
+
+
+@contextmanager
+def cell_lock(root: Path, cell: str, out: TextIO) -> Iterator[int]:
+    """An exclusive lock on the cell's lock file; yields its descriptor, which the cell's run
+    inherits so that the lock lives exactly as long as the run (even if this process dies)."""
+    folder = MatrixRoot(root).cell(cell)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + LOCK_WAIT_S
+        waited = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+                    raise errors.InfrastructureError(
+                        f"cell {cell} of {root} has a live attempt (started by runner pid {holder}) "
+                        f"after {LOCK_WAIT_S:.0f} s; two attempts of one cell never run at once: "
+                        "wait for it to end or stop it, then run again") from None
+                if not waited:
+                    out.write(f"[matrix] {cell}: another attempt of this cell is live; waiting\n")
+                    out.flush()
+                    waited = True
+                time.sleep(0.2)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield fd
+    finally:
+        os.close(fd)
+
+
 def _pump(stream, console: Path, out: TextIO, prefix: str) -> None:
     with open(console, "ab") as fh:
         for line in iter(stream.readline, b""):
@@ -130,8 +206,9 @@ def case_env(mid: str, cell: str, attempt_id: str, workload: str, config, *,
             "STARTED_AT": datetime.now(timezone.utc).isoformat(timespec="milliseconds")}
 
 
-def run_cell(m: MatrixRun, cell: str, mid: str, config) -> Path:
-    """One attempt of one cell; returns its folder. Raises only on interruption."""
+def run_cell(m: MatrixRun, cell: str, mid: str, config, lock_fd: int | None = None) -> Path:
+    """One attempt of one cell; returns its folder. Raises only on interruption. The run inherits
+    lock_fd (the cell's lock) so that the lock is held as long as the run lives."""
     while True:
         attempt_id = ids.new_attempt_id()
         folder = m.root / cell / attempt_id
@@ -154,7 +231,10 @@ def run_cell(m: MatrixRun, cell: str, mid: str, config) -> Path:
     m.out.write(f"[matrix] {cell}: attempt {attempt_id} run {run_id}\n")
     m.out.flush()
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_die_with(os.getpid()),
+                            pass_fds=() if lock_fd is None else (lock_fd,))
+    _Watchdog.tell(f"+{proc.pid}")
     pump = threading.Thread(target=_pump, args=(proc.stdout, run.console_log, m.out,
                                                 f"[{cell}] "), daemon=True)
     pump.start()
@@ -173,11 +253,14 @@ def run_cell(m: MatrixRun, cell: str, mid: str, config) -> Path:
         raise
     finally:
         _kill_group(proc.pid)  # workers the run left behind, also after a clean exit
+        _Watchdog.tell(f"-{proc.pid}")
         pump.join(timeout=10)
         if pump.is_alive():  # a process outside the group holds the pipe; closing it would block
             m.out.write(f"[matrix] {cell}: output still open after the run ended; not waiting\n")
         else:
             proc.stdout.close()
+    if code >= 0 and not run.exit_code.exists():  # refused before its run directory was written
+        run.write_exit_code(code)
     how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
     m.out.write(f"[matrix] {cell}: attempt {attempt_id} ended ({how})\n")
     m.out.flush()
@@ -191,14 +274,27 @@ def _wants_run(m: MatrixRun, cell: str, mid: str) -> bool:
     if not previous:
         return True
     row = analyze.inspect_attempt(previous[-1], cell, mid)
-    if not row["complete"]:
-        m.out.write(f"[matrix] {cell}: attempt {previous[-1].name} is incomplete; new attempt\n")
+    name, code = previous[-1].name, row["exit_code"]
+    if code not in KEPT_EXIT_CODES:
+        why = "has no exit code (it was killed)" if code is None else f"exited {code}"
+        m.out.write(f"[matrix] {cell}: attempt {name} {why}; new attempt\n")
         return True
     if m.rerun_failed and not row["passed"]:
-        m.out.write(f"[matrix] {cell}: attempt {previous[-1].name} did not pass; new attempt\n")
+        m.out.write(f"[matrix] {cell}: attempt {name} did not pass; new attempt\n")
         return True
-    m.out.write(f"[matrix] {cell}: attempt {previous[-1].name} is complete; kept\n")
+    m.out.write(f"[matrix] {cell}: attempt {name} exited {code}; kept\n")
     return False
+
+
+def check_inputs(m: MatrixRun) -> None:
+    """What every cell would refuse, refused once: the model folder's config and the prompts file.
+    The cells still check everything (weights, hashes, the device) themselves."""
+    from rl_engine.models import checkpoint
+
+    if m.model_root is not None:
+        checkpoint.load_config(m.model_root)
+    if m.prompt_data is not None and not Path(m.prompt_data).is_file():
+        raise errors.BadInput(f"PROMPT_DATA {m.prompt_data} does not exist; give a JSONL file of prompts")
 
 
 def _init_root(root: Path) -> str:
@@ -217,14 +313,17 @@ def run(m: MatrixRun, *, history_root: Path | None = None) -> tuple[int, dict[st
     The exit code is the verdict over the selected cells."""
     from rl_engine.step.config import StepConfig
 
-    config = StepConfig.resolve(m.workload, **m.overrides)   # a layout it refuses is exit 2 now
+    # Bad input is refused here, before the matrix root is written: cells, layout, inputs.
+    cells = m.selected()
+    config = StepConfig.resolve(m.workload, **m.overrides)
     if (m.resume or m.rerun_failed) and not m.root.is_dir():
         raise errors.BadInput(f"--resume needs an existing --matrix-root; {m.root} does not exist")
+    check_inputs(m)
     mid = _init_root(m.root)
-    cells = m.selected()
     for cell in cells:
-        if _wants_run(m, cell, mid):
-            run_cell(m, cell, mid, config)
+        with cell_lock(m.root, cell, m.out) as lock_fd:
+            if _wants_run(m, cell, mid):
+                run_cell(m, cell, mid, config, lock_fd)
     # Cells this run did not select may still be run by another (the DAG runs one cell per job):
     # they are pending, not failed, unless this run covered every cell of the matrix.
     final = set(analyze.expected_cells(m.root, m.baseline or "baseline" in cells)) <= set(cells)

@@ -37,8 +37,37 @@ def model_folder(folder: Path) -> Path:
     return path
 
 
+ARCHITECTURE, MODEL_TYPE = "Qwen3ForCausalLM", "qwen3"
+
+
+def check_kind(path: Path) -> None:
+    """A Qwen3 config says so: `architectures` (when present) is exactly [Qwen3ForCausalLM] and
+    `model_type` (when present) is qwen3, and at least one of them is present. Both are checked:
+    a config of another model that names only its architecture is refused too."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} is missing: MODEL_ROOT must be a Qwen3 folder with "
+                                f"config.json; {_HINT}") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not a readable JSON file ({e}); {_HINT}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds no JSON object; {_HINT}")
+    arch, kind = data.get("architectures"), data.get("model_type")
+    if arch is None and kind is None:
+        raise ValueError(f"{path} names neither architectures nor model_type; a Qwen3 config has "
+                         f"architectures [{ARCHITECTURE}] and model_type {MODEL_TYPE}")
+    if arch is not None and arch != [ARCHITECTURE]:
+        raise ValueError(f"{path}: architectures {arch!r} is not [{ARCHITECTURE!r}]; only Qwen3 "
+                         f"causal LMs are supported; {_HINT}")
+    if kind is not None and kind != MODEL_TYPE:
+        raise ValueError(f"{path}: model_type {kind!r} is not {MODEL_TYPE!r}; only Qwen3 causal LMs "
+                         f"are supported; {_HINT}")
+
+
 def load_config(folder: Path) -> Qwen3Config:
     path = model_folder(folder) / "config.json"
+    check_kind(path)
     try:
         return Qwen3Config.load(path.parent)
     except (ValueError, KeyError, TypeError) as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 from rl_engine.console import console as make_console
@@ -15,9 +16,11 @@ from rl_engine.evidence import judge, layout
 from rl_engine.runtime.plan import Plan
 from rl_engine.step import inputs as step_inputs
 from rl_engine.step.config import StepConfig
-from rl_engine.step.runner import run_steps, summary
+from rl_engine.step.runner import check_device, run_steps, summary
 
 console = make_console(stderr=True)
+failure_log = logging.getLogger("rl_engine.step.failure")
+failure_log.propagate = False
 
 
 def resolve_run(run_id: str | None, artifact_dir: Path | None) -> tuple[str, Path]:
@@ -30,16 +33,24 @@ def resolve_run(run_id: str | None, artifact_dir: Path | None) -> tuple[str, Pat
 def execute(*, config: StepConfig, plan: Plan, run_id: str, root: Path, model_root: Path | None,
             prompt_file: Path | None, verify_inputs: Path | None, chat_template: bool,
             trace: bool, validate_after: bool, require_bitwise: bool, threshold: float) -> int:
-    """Runs the steps into a new run directory; returns the exit code (also written there)."""
+    """Runs the steps into a new run directory; returns the exit code (also written there).
+
+    Bad input (inputs, device, an occupied run directory) is refused before the directory is
+    written. One found later still exits 2; a run directory this call made is then removed, and a
+    matrix attempt's folder (made by the matrix, holding its case file) records exit code 2."""
+    inputs = step_inputs.load(model_root, prompt_file, count=config.rollout_batch_size,
+                              chat_template=chat_template, verify_with=verify_inputs)
+    check_device(plan, config)
+    made = not root.exists()
     run = layout.create(root)
     handler = logging.FileHandler(run.log)
     handler.setFormatter(logging.Formatter("%(asctime)s pid=%(process)d %(message)s"))
     logging.getLogger().addHandler(handler)
+    # The failure goes into run.log only: the console's one error line comes from the CLI.
+    failure_log.addHandler(handler)
     os.environ["RLK_RUN_LOG"] = str(run.log)
     code = errors.INFRASTRUCTURE
     try:
-        inputs = step_inputs.load(model_root, prompt_file, count=config.rollout_batch_size,
-                                  chat_template=chat_template, verify_with=verify_inputs)
         with console.status("starting") as status:
             figures = run_steps(plan=plan, config=config, inputs=inputs, run=run, run_id=run_id,
                                 trace=trace, on_phase=lambda p: status.update(p))
@@ -57,12 +68,17 @@ def execute(*, config: StepConfig, plan: Plan, run_id: str, root: Path, model_ro
         return code
     except BaseException as exc:
         code = errors.exit_code_for(exc) if isinstance(exc, Exception) else errors.INFRASTRUCTURE
-        logging.getLogger("rl_engine.step").error("run failed (%s): %s", type(exc).__name__, exc)
+        failure_log.error("run failed (%s): %s", type(exc).__name__, exc)
         raise
     finally:
-        run.write_exit_code(code)
         logging.getLogger().removeHandler(handler)
+        failure_log.removeHandler(handler)
+        handler.close()
         os.environ.pop("RLK_RUN_LOG", None)
+        if code == errors.BAD_INPUT and made:
+            shutil.rmtree(run.root, ignore_errors=True)
+        else:
+            run.write_exit_code(code)
 
 
 def _print_summary(run_id: str, plan: Plan, root: Path, figures, code: int) -> None:
