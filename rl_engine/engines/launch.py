@@ -173,6 +173,7 @@ def _serve(rank: int, world: int, port: int, payload: bytes, commands, results, 
     # may die.
     _die_with_parent(parent_pid)
     factory, args = pickle.loads(payload)
+    obj = None
     try:
         _prepare_rank(rank, world, f"tcp://127.0.0.1:{port}", device, first_gpu + rank)
         obj = factory(rank, world, *args)
@@ -187,7 +188,15 @@ def _serve(rank: int, world: int, port: int, payload: bytes, commands, results, 
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise SystemExit(3)
     finally:
+        _close(obj)
         _release_rank(device)
+
+
+def _close(obj) -> None:
+    """Lets a rank that holds an engine of its own (vLLM) stop it while its groups still exist."""
+    close = getattr(obj, "close", None)
+    if callable(close):
+        close()
 
 
 class _Local:
@@ -311,6 +320,7 @@ def _rank_actor_class():
         def release(self) -> None:
             # Only after success: a failed rank keeps its connections open until the launcher
             # kills it, so its peers do not fail first on a closed connection and hide the cause.
+            _close(getattr(self, "obj", None))
             _release_rank(self.device)
 
     return RankActor
