@@ -92,6 +92,10 @@ def check_device(plan: Plan, config: StepConfig) -> None:
     from rl_engine import envs
     from rl_engine.engines.launch import check_devices
 
+    for side, engine_id in (("training", config.trainer), ("rollout", config.rollout_engine)):
+        refuse = getattr(rank_class(side, engine_id), "refuse", None)
+        if refuse is not None:  # what a real engine cannot run, before any rank starts
+            refuse(plan, config)
     if envs.RLK_LAUNCHER == "ray":
         return
     try:
