@@ -1,5 +1,6 @@
 """Subprocesses of the gate steps: the checkout's code first on the path, output kept in a log and
-echoed (a Ray job's log is its stdout), and the whole session killed when the step ends or stops."""
+echoed (a Ray job's log is its stdout), and the whole session killed when the step ends or stops,
+or when the step's process dies, even by SIGKILL (rl_engine/matrix/watchdog.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from rl_engine.errors import InfrastructureError
+from rl_engine.matrix.watchdog import Watchdog, die_with
 
 _KILL_GRACE_S = 5.0
 
@@ -70,7 +72,8 @@ def run_logged(cmd: Sequence[Any], *, cwd: Path, log: Path, env: dict[str, str] 
         out.flush()
         proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, errors="replace",
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=die_with(os.getpid()))
+        Watchdog.watch(proc.pid)
         pump = threading.Thread(target=_pump, args=(proc.stdout, out), daemon=True)
         pump.start()
         main = threading.current_thread() is threading.main_thread()
@@ -81,6 +84,7 @@ def run_logged(cmd: Sequence[Any], *, cwd: Path, log: Path, env: dict[str, str] 
             return None
         finally:
             _kill_session(proc)
+            Watchdog.forget(proc.pid)
             pump.join(timeout=10)
             if main:
                 signal.signal(signal.SIGTERM, before)

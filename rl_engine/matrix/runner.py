@@ -4,7 +4,7 @@ Each cell runs as a subprocess in its own session (process group) with the plan,
 directory in its environment; its console output is streamed to ours and kept in console.log. The
 group is killed once the run exits, times out, fails or is interrupted, so no worker of one cell
 outlives it. A cell also dies with its runner: the run gets SIGKILL when the runner dies (a
-parent-death signal), and a watchdog (watchdog.py) kills the whole group once the runner is gone.
+parent-death signal), and a watchdog kills the whole group once the runner is gone (watchdog.py).
 A lock file in the cell's folder, held as long as the cell's run lives (the run inherits it),
 forbids a second live attempt of the cell. The case file is written into the attempt folder before
 the run starts (run directories admit the files the matrix writes, see
@@ -17,7 +17,6 @@ one that did not pass).
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import os
 import signal
@@ -36,6 +35,7 @@ from rl_engine.artifacts import files, ids, provenance
 from rl_engine.evidence import records
 from rl_engine.evidence.layout import MatrixRoot, RunDir
 from rl_engine.matrix import analyze
+from rl_engine.matrix.watchdog import Watchdog, die_with
 from rl_engine.runtime.plan import ALL_CELLS, ISOLATION_CELLS, MODULES, cell_plan, normalize_cell
 
 # How a cell's `rlk run` is started; tests swap in a stand-in.
@@ -46,8 +46,6 @@ _KILL_GRACE_S = 5.0
 LOCK_WAIT_S = 15.0
 LOCK_FILE = "cell.lock"
 KEPT_EXIT_CODES = (errors.OK, errors.PARITY_FAILURE, errors.BAD_INPUT)
-_PRCTL = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # loaded before any fork
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(kw_only=True)
@@ -119,33 +117,6 @@ def _kill_group(pgid: int) -> None:
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and group_alive(pgid):
             time.sleep(0.05)
-
-
-def _die_with(parent: int) -> Callable[[], None]:
-    """preexec_fn of a cell: SIGKILL when the runner dies; a runner already gone ends it at once.
-    It runs between fork and exec, so it only calls the C function loaded before the fork."""
-    def arm() -> None:
-        if _PRCTL is not None:
-            _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:
-            os._exit(errors.INFRASTRUCTURE)
-    return arm
-
-
-class _Watchdog:
-    """The runner's watchdog process (one per runner, started with its first cell)."""
-
-    proc: subprocess.Popen | None = None
-
-    @classmethod
-    def tell(cls, line: str) -> None:
-        if cls.proc is None or cls.proc.poll() is not None:
-            script = Path(__file__).with_name("watchdog.py")
-            cls.proc = subprocess.Popen([sys.executable, "-I", str(script)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        start_new_session=True, text=True)
-        cls.proc.stdin.write(line + "\n")
-        cls.proc.stdin.flush()
 
 
 @contextmanager
@@ -232,9 +203,9 @@ def run_cell(m: MatrixRun, cell: str, mid: str, config, lock_fd: int | None = No
     m.out.flush()
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=_die_with(os.getpid()),
+                            preexec_fn=die_with(os.getpid()),
                             pass_fds=() if lock_fd is None else (lock_fd,))
-    _Watchdog.tell(f"+{proc.pid}")
+    Watchdog.watch(proc.pid)
     pump = threading.Thread(target=_pump, args=(proc.stdout, run.console_log, m.out,
                                                 f"[{cell}] "), daemon=True)
     pump.start()
@@ -253,7 +224,7 @@ def run_cell(m: MatrixRun, cell: str, mid: str, config, lock_fd: int | None = No
         raise
     finally:
         _kill_group(proc.pid)  # workers the run left behind, also after a clean exit
-        _Watchdog.tell(f"-{proc.pid}")
+        Watchdog.forget(proc.pid)
         pump.join(timeout=10)
         if pump.is_alive():  # a process outside the group holds the pipe; closing it would block
             m.out.write(f"[matrix] {cell}: output still open after the run ended; not waiting\n")

@@ -243,3 +243,36 @@ def test_a_step_past_its_timeout_leaves_no_process_behind(tmp_path):
     except FileNotFoundError:
         state = "gone"
     assert state in ("gone", "Z", "X"), f"the step's grandchild {pid} still runs ({state})"
+
+
+def test_a_step_whose_process_is_killed_leaves_no_process_behind(tmp_path):
+    """SIGKILL of the process running a step (a stopped Ray job's driver) takes the step's session
+    with it: no handler runs, so the parent-death signal and the watchdog must do it."""
+    import signal
+    import time
+
+    import psutil
+
+    script = ("import subprocess, sys, time\n"
+              "child = subprocess.Popen(['sleep', '120'])\n"
+              "print('child', child.pid, flush=True)\n"
+              "time.sleep(120)\n")
+    log = tmp_path / "step.log"
+    driver = subprocess.Popen([sys.executable, "-c", (
+        "import sys\nfrom pathlib import Path\nfrom rl_engine.gate.process import run_logged\n"
+        f"run_logged([sys.executable, '-c', {script!r}], cwd=Path({str(tmp_path)!r}), "
+        f"log=Path({str(log)!r}))\n")], stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (log.exists() and "child " in log.read_text()):
+            assert driver.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        pid = int(next(ln for ln in log.read_text().splitlines() if ln.startswith("child ")).split()[1])
+        step = psutil.Process(pid).parent()
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=10)
+        gone, alive = psutil.wait_procs([step, psutil.Process(pid)], timeout=5)
+        assert not alive, f"left behind: {[p.pid for p in alive]}"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
