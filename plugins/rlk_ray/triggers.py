@@ -44,6 +44,9 @@ _MARKER = re.compile(r"^\[rlk\] exit-code (-?\d+)\s*$")
 _MESSAGE_CODE = re.compile(r"exit code (-?\d+)")
 # Seconds to let the log stream deliver its last lines once the job is terminal.
 LOG_DRAIN_S = 10.0
+# Seconds between status polls once the job's log stream has ended (the job is ending), and how
+# many such polls at most before the usual interval again.
+ENDED_POLL_S, ENDED_POLLS = 0.2, 50
 
 
 def resolve_exit_code(
@@ -148,6 +151,7 @@ class RayJobTrigger(BaseTrigger):
         self.pending_timeout = float(pending_timeout)
         self.poll_interval = float(poll_interval)
         self.max_poll_errors = int(max_poll_errors)
+        self._fast_polls = 0  # polls since the log stream ended (not state: a restart resets it)
         self.log_tail_lines = int(log_tail_lines)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
@@ -176,7 +180,7 @@ class RayJobTrigger(BaseTrigger):
         lines = _LogLines(self.log, self.log_tail_lines)
         stream = asyncio.create_task(self._stream(hook, lines))
         try:
-            event, started = await self._watch(hook)
+            event, started = await self._watch(hook, stream)
             if started:
                 # The server closes the stream once the job has ended; let the last lines arrive.
                 await asyncio.wait({stream}, timeout=LOG_DRAIN_S)
@@ -217,7 +221,23 @@ class RayJobTrigger(BaseTrigger):
             "reason": reason,
         }
 
-    async def _watch(self, hook: RayJobHook) -> tuple[dict[str, Any], bool]:
+    async def _pause(self, stream: asyncio.Task | None) -> None:
+        """Wait for the next poll. The server closes the log stream once the job has ended, so a
+        stream that ended by itself wakes the poll at once and the polls after it come faster:
+        the task ends within a fraction of a second of its job, not up to a poll interval late."""
+        if stream is None:
+            await asyncio.sleep(self.poll_interval)
+        elif not stream.done():
+            await asyncio.wait({stream}, timeout=self.poll_interval)
+        elif (not stream.cancelled() and stream.exception() is None and stream.result()
+              and self._fast_polls < ENDED_POLLS):
+            self._fast_polls += 1
+            await asyncio.sleep(min(self.poll_interval, ENDED_POLL_S))
+        else:  # the stream broke (it says nothing of the job), or the job still runs after all
+            await asyncio.sleep(self.poll_interval)
+
+    async def _watch(self, hook: RayJobHook,
+                     stream: asyncio.Task | None = None) -> tuple[dict[str, Any], bool]:
         """Poll until the job ends; return the event and whether the job's driver ever started."""
         errors, warned, checked = 0, False, False
         while True:
@@ -247,7 +267,7 @@ class RayJobTrigger(BaseTrigger):
                     warned = True
                     self.log.warning("job %s pending for over %.0fs; it fits the cluster, so it "
                                      "waits", self.submission_id, self.pending_timeout)
-            await asyncio.sleep(self.poll_interval)
+            await self._pause(stream)
 
     async def _missing(self, hook: RayJobHook, request: dict[str, float]) -> str | None:
         """What the cluster lacks for ``request``, ``None`` if it fits, ``""`` if unknown just now."""

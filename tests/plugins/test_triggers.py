@@ -93,6 +93,21 @@ def test_streams_log_lines_and_yields_one_succeeded_event(ray_address, monkeypat
     assert request_threads and loop_thread not in request_threads
 
 
+def test_the_event_follows_the_job_end_not_the_next_poll(ray_address):
+    """The log stream closes when the job ends; that wakes the poll, so a task does not wait out
+    the rest of a poll interval after its job (a matrix cell's overhead)."""
+    hook = RayJobHook(address=ray_address)
+    sid = hook.submit(python_job("print('done')"), "trig-prompt")
+    trigger = RayJobTrigger(submission_id=sid, address=ray_address, poll_interval=60.0)
+    t0 = time.monotonic()
+    (event,) = asyncio.run(asyncio.wait_for(collect(trigger), 120))
+    elapsed = time.monotonic() - t0
+    assert (event["status"], event["exit_code"], event["log_tail"][-1]) == ("SUCCEEDED", 0, "done")
+    info = hook.info(sid)
+    job_s = (info.end_time - info.start_time) / 1000.0
+    assert elapsed < job_s + 10.0, f"the event came {elapsed:.1f} s after a {job_s:.1f} s job"
+
+
 def test_job_asking_for_a_gpu_on_a_gpu_less_cluster_is_stopped(ray_address, wait_status):
     hook = RayJobHook(address=ray_address)
     sid = hook.submit("echo never", "trig-gpu", entrypoint_num_gpus=1)
