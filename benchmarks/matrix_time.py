@@ -1,12 +1,18 @@
-"""Wall time of `rlk matrix run` on the embedded model, and the share spent outside the steps.
+"""What the matrix costs on top of its cells' own `rlk run`, directly and through the DAG.
 
-Runs the whole matrix (control, nine cells, baseline) in a new matrix root, then reads each cell's
-steps.json (the rollout and training phases of every step, timed by the runner itself, each
-including the start of its worker processes). Everything else is "outside the steps": each cell's
-`rlk run` start-up, input loading and hashing, the manifest, validation, cleanup between cells and
-the analysis. Writes benchmarks/results/matrix_time.json.
+A cell's own time is its `rlk run` process's wall time, from the case file's STARTED_AT (written
+just before the run starts) to its exit-code file (the report's `duration_s`). Its overhead is the
+wall time of what ran it minus that:
+- directly: `rlk matrix run --case CELL` as a process of its own (one per cell, as a DAG job runs it);
+- through the DAG: the cell's Airflow task (the `rlk_matrix` DAG on the embedded stack: a local Ray
+  head, every cell a Ray job, `dag.test()` as `rlk demo` runs it).
+The overhead per cell is the median over the cells; targets: <= 3 s through the DAG, and the
+default matrix (the control and nine cells) <= 5 min through the DAG. Where the overhead goes:
+the start of `rlk` (Python and imports, timed alone), the runner's work around the cell (the
+direct overhead), and Airflow + Ray (the DAG's overhead minus the direct one). Writes
+benchmarks/results/matrix_time.json with the commit, its dirty flag and the load average.
 
-    python benchmarks/matrix_time.py [--workload ci|default]
+    python benchmarks/matrix_time.py [--workload ci|default] [--skip-dag] [--skip-direct]
 """
 
 from __future__ import annotations
@@ -15,47 +21,136 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from rl_engine.artifacts import files
+from rl_engine.artifacts import files, provenance
+from rl_engine.evidence.layout import MatrixRoot
+from rl_engine.runtime.plan import ISOLATION_CELLS
 
 RESULTS = Path(__file__).parent / "results" / "matrix_time.json"
+CELLS = ["control", *ISOLATION_CELLS]
+TARGET_OVERHEAD_S, TARGET_DAG_S = 3.0, 300.0
+RLK = [sys.executable, "-m", "rl_engine.cli"]
+
+
+def own_times(root: Path) -> dict[str, float | None]:
+    report = json.loads(MatrixRoot(root).report.read_text())
+    return {c["cell"]: c["latest"].get("duration_s") for c in report["cells"]}
+
+
+def _median(rows: list[dict]) -> float | None:
+    values = [r["overhead_s"] for r in rows if r.get("overhead_s") is not None]
+    return round(statistics.median(values), 3) if values else None
+
+
+def startup_s(repeats: int = 3) -> dict[str, float]:
+    """The start of `rlk`: Python alone, and `rlk matrix run --help` (its imports and CLI)."""
+    def best(cmd: list[str]) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            subprocess.run(cmd, capture_output=True, check=True)
+            times.append(time.perf_counter() - t0)
+        return round(min(times), 3)
+
+    return {"python_s": best([sys.executable, "-c", "pass"]),
+            "rlk_matrix_run_help_s": best([*RLK, "matrix", "run", "--help"]),
+            "rlk_run_help_s": best([*RLK, "run", "--help"])}
+
+
+def direct(workload: str, env: dict[str, str], base: Path) -> dict:
+    root = base / "direct"
+    rows, codes = [], {}
+    t_all = time.monotonic()
+    for cell in CELLS:
+        t0 = time.monotonic()
+        proc = subprocess.run([*RLK, "matrix", "run", "--case", cell, "--workload", workload,
+                               "--matrix-root", str(root), "--no-history"],
+                              capture_output=True, text=True, env=env)
+        wall = time.monotonic() - t0
+        codes[cell] = proc.returncode
+        if proc.returncode not in (0, 1):
+            print(proc.stderr[-3000:], file=sys.stderr)
+        own = own_times(root).get(cell)
+        rows.append({"cell": cell, "wall_s": round(wall, 3), "own_s": own,
+                     "overhead_s": None if own is None else round(wall - own, 3)})
+        print(f"direct {cell}: {wall:.2f} s, own {own} s", flush=True)
+    return {"cells": rows, "exit_codes": codes, "total_s": round(time.monotonic() - t_all, 3),
+            "median_overhead_s": _median(rows)}
+
+
+def through_dag(workload: str, base: Path) -> dict:
+    # Airflow reads its home when first imported: only after embedded() has prepared it.
+    from rl_engine.stack import demo
+
+    conf = {"workload": workload, "cells": list(ISOLATION_CELLS), "model": "tiny", "device": "cpu",
+            "append_history": False}
+    with demo.embedded(base / "state", base / "matrix-runs"):
+        t0 = time.monotonic()
+        dag_run = demo.trigger(conf)
+        wall = time.monotonic() - t0
+        root = demo.matrix_root_of(dag_run.run_id)
+        report = json.loads(MatrixRoot(root).report.read_text())
+        rows = [{"cell": r["cell"], "task_s": r["task_s"], "own_s": r["cell_s"],
+                 "overhead_s": r["overhead_s"]} for r in demo.overheads(dag_run, report)]
+        span = None
+        if dag_run.start_date and dag_run.end_date:
+            span = round((dag_run.end_date - dag_run.start_date).total_seconds(), 3)
+    return {"state": str(dag_run.state), "verdict_exit_code": report["verdict"]["exit_code"],
+            "wall_s": round(wall, 3), "dag_run_s": span, "cells": rows,
+            "median_overhead_s": _median(rows)}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--workload", default="default", choices=("ci", "default"))
+    parser.add_argument("--workload", default="ci", choices=("ci", "default"))
+    parser.add_argument("--skip-dag", action="store_true")
+    parser.add_argument("--skip-direct", action="store_true")
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="rlk-matrix-bench-")) / "matrix"
-    t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "rl_engine.cli", "matrix", "run", "--baseline",
-                           "--workload", args.workload, "--matrix-root", str(root), "--no-history"],
-                          capture_output=True, text=True)
-    wall = time.monotonic() - t0
-    if proc.returncode not in (0, 1):
-        print(proc.stderr[-3000:], file=sys.stderr)
-        return proc.returncode
-    cells = {}
-    for steps in sorted(root.glob("*/*/steps.json")):
-        data = json.loads(steps.read_text())
-        cells[steps.parent.parent.name] = round(sum(
-            s["seconds"]["rollout"] + s["seconds"]["training"] for s in data["steps"]), 3)
-    inside = sum(cells.values())
-    result = {
-        "benchmark": "matrix_time", "workload": args.workload, "cells": len(cells),
-        "matrix_exit_code": proc.returncode, "wall_s": round(wall, 3),
-        "inside_steps_s": round(inside, 3), "outside_steps_s": round(wall - inside, 3),
-        "outside_share": round((wall - inside) / wall, 4), "per_cell_step_s": cells,
-        "machine": {"cpu_count": os.cpu_count(), "load_average": os.getloadavg(),
-                    "python": platform.python_version()},
+    base = Path(tempfile.mkdtemp(prefix="rlk-matrix-bench-"))
+    # The direct runs use the same embedded model folder as the DAG's jobs.
+    env = {**os.environ, "RLK_STATE_DIR": str(base / "state"),
+           "RLK_MATRIX_ROOT": str(base / "matrix-runs")}
+    for var in ("CI_TEST", "RL_KERNEL_RUN_ID", "RL_KERNEL_ARTIFACT_DIR", "VALIDATE_ARTIFACTS"):
+        env.pop(var, None)
+        os.environ.pop(var, None)
+    os.environ.update(RLK_STATE_DIR=env["RLK_STATE_DIR"])
+    src = provenance.source()
+    result: dict = {
+        "benchmark": "matrix_time", "workload": args.workload, "cells": CELLS,
+        "commit": src["commit"], "dirty": src["dirty"],
+        "targets": {"overhead_per_cell_s": TARGET_OVERHEAD_S, "dag_matrix_s": TARGET_DAG_S},
+        "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version(),
+                    "load_average_at_start": list(os.getloadavg())},
     }
+    result["startup"] = startup_s()
+    if not args.skip_direct:
+        result["direct"] = direct(args.workload, env, base)
+    if not args.skip_dag:
+        result["dag"] = dag = through_dag(args.workload, base)
+        direct_median = result.get("direct", {}).get("median_overhead_s")
+        result["verdict"] = {
+            "overhead_per_cell_s": dag["median_overhead_s"],
+            "overhead_ok": dag["median_overhead_s"] is not None
+            and dag["median_overhead_s"] <= TARGET_OVERHEAD_S,
+            "dag_matrix_s": dag["dag_run_s"],
+            "dag_matrix_ok": dag["dag_run_s"] is not None and dag["dag_run_s"] <= TARGET_DAG_S,
+            # Where the DAG's overhead goes, per cell (medians).
+            "airflow_and_ray_s": None if direct_median is None or dag["median_overhead_s"] is None
+            else round(dag["median_overhead_s"] - direct_median, 3),
+            "runner_s": direct_median,
+        }
+    result["machine"]["load_average_at_end"] = list(os.getloadavg())
     files.write_json(RESULTS, result)
-    print(f"matrix wall {wall:.1f} s over {len(cells)} cells; steps {inside:.1f} s; outside the "
-          f"steps {wall - inside:.1f} s ({100 * (wall - inside) / wall:.1f}%)")
+    print(json.dumps({k: result.get(k) for k in ("startup", "verdict")}, indent=1))
+    for part in ("direct", "dag"):
+        if part in result:
+            print(f"{part}: median overhead per cell {result[part]['median_overhead_s']} s")
     return 0
 
 
