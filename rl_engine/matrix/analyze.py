@@ -40,8 +40,9 @@ def check_root(root: Path) -> None:
                               "rlk matrix run wrote")
     cells = MatrixRoot(root)
     if not cells.matrix_file.is_file() and not any(cells.cell(c).is_dir() for c in ALL_CELLS):
-        raise errors.BadInput(f"{root} is not a matrix root: it holds neither matrix.json nor a "
-                              "cell's folder; give the --matrix-root that rlk matrix run wrote")
+        raise errors.BadInput(f"{root} is not a matrix root: it holds neither "
+                              f"{cells.matrix_file.name} nor a cell's folder; give the "
+                              "--matrix-root that rlk matrix run wrote")
 
 
 def run_id_of(mid: str, cell: str, attempt: str) -> str:

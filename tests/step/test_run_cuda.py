@@ -83,8 +83,7 @@ def test_cuda_run_without_a_gpu_exits_2_naming_the_fix(rlk, tmp_path):
     proc = _run_ci(rlk, tmp_path / "no-gpu", ONE_GPU)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "no CUDA device is visible; use --device cpu" in proc.stderr
-    assert (tmp_path / "no-gpu" / "exit-code").read_text().strip() == "2"
-    assert not list((tmp_path / "no-gpu").rglob("*.json"))
+    assert not (tmp_path / "no-gpu").exists()  # refused before the run directory is made
 
 
 def test_launch_refuses_a_cuda_world_larger_than_the_gpus():

@@ -186,7 +186,7 @@ def report_logprobs(b: Binding, out) -> None:
     tokens = out.sampled_token_ids[:, 0].long()
     ids = out.logprobs_tensors.logprob_token_ids
     if b.last_hidden is None or b.last_hidden.shape[0] != tokens.shape[0] \
-            or not torch.equal(ids[:, 0].long(), tokens):
+            or ids[:, 0].long().ne(tokens).any():
         raise RuntimeError("the sampler's rows are not the rows whose logits were computed; "
                            "rl_engine cannot report their log-probs")
     logp = selected_logp(router, b.last_hidden.contiguous(), b.lm_head, tokens, vocab=b.vocab,
