@@ -12,6 +12,9 @@
 # ARCHIVE=path.tgz also packs $OUT into that one file after every step (for a machine that hands
 # back only a few files).
 #
+# WHEELS=folder installs the wheels in it first (--no-deps): the machine cannot download, so a
+# pure-Python dependency such as megatron-core travels as a wheel.
+#
 # STEPS="rr-tp2 matrix ..." runs only the named steps (and the build and model they need), so the
 # evidence can be split over several shorter sessions on the machine.
 #
@@ -44,7 +47,7 @@ wanted() {  # wanted NAME: whether STEPS (empty: every step) names NAME
 step() {  # step NAME LIMIT_SECONDS COMMAND...: runs it, logs to $OUT/NAME.log, records its end
   local name=$1 limit=$2 start rc
   shift 2
-  [[ $name == build || $name == model ]] || wanted "${name%-trace-gate}" || wanted "${name%-analyze}" || return 0
+  [[ $name == build || $name == model || $name == wheels ]] || wanted "${name%-trace-gate}" || wanted "${name%-analyze}" || return 0
   start=$(date +%s)
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   rc=$?
@@ -77,6 +80,9 @@ run() {
 }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv >"$OUT/gpus.csv" 2>&1
+if [[ -n "${WHEELS:-}" ]]; then
+  step wheels 120 bash -c "$PY -m pip install -q --no-deps $WHEELS/*.whl" || exit 1
+fi
 if [[ -z "${SKIP_BUILD:-}" ]]; then
   step build 300 env MAX_JOBS=16 RLK_BUILD_CUDA=1 "$PY" -m pip install -q --no-deps \
     --no-build-isolation -e . || exit 1
@@ -112,6 +118,15 @@ step attention-gate-tp2 180 "${RLK[@]}" attention-gate --device "$DEVICE" --worl
 FLAGS=--trace run rr-tp1 1 1 1 CUDA_VISIBLE_DEVICES=0
 step rr-tp1-trace-gate 120 "${RLK[@]}" trace gate --trace "$WORK/rr-tp1/trace" --device "$DEVICE" \
   --world-size 1 --tp 1 --output "$OUT/rr-tp1-trace-gate.json"
+# The Megatron-core trainer against the built-in rollout engine on one GPU: a traced R/R run, its
+# trace check, and Megatron R/R against Megatron P/P step time in one run.
+FLAGS="--trace --trainer megatron" run megatron-rr-tp1 1 1 1 CUDA_VISIBLE_DEVICES=0
+step megatron-rr-tp1-trace-gate 120 "${RLK[@]}" trace gate --trace "$WORK/megatron-rr-tp1/trace" \
+  --device "$DEVICE" --world-size 1 --tp 1 --output "$OUT/megatron-rr-tp1-trace-gate.json"
+step megatron-step-time 400 env CUDA_VISIBLE_DEVICES=0 "$PY" benchmarks/step_time.py \
+  --model "$PRESET" --device "$DEVICE" --trainer megatron --repeats 1 --tp 1 --cp 1 \
+  --actor-gpus 1 --rollout-gpus 1 --rollout-gpus-per-engine 1 \
+  --out "$OUT/step_time_megatron_h200.json"
 # The modules that hold CUDA tests (the others need Airflow, Ray or FastAPI, not installed there).
 step cuda_tests 600 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/distributed tests/ops \
   tests/step tests/validation
