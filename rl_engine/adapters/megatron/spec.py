@@ -184,7 +184,7 @@ def layer_spec(router: Router, tp: TPGroup, num_layers: int,
             "linear_proj": b(RoutedRowParallelLinear, "attention"),
             "q_layernorm": b(RoutedRMSNorm, "attention"),
             "k_layernorm": b(RoutedRMSNorm, "attention")} if a else {}))
-    mlp_sub = mlp.submodules
+    mlp_sub = _mlp_submodules(mlp)
     if f:
         mlp_sub = dataclasses.replace(mlp_sub, linear_fc1=b(RoutedColumnParallelLinear, "ffn"),
                                       linear_fc2=b(RoutedRowParallelLinear, "ffn"),
@@ -192,12 +192,27 @@ def layer_spec(router: Router, tp: TPGroup, num_layers: int,
     layer = dataclasses.replace(
         layer, self_attention=ModuleSpec(module=attn.module, params=dict(attn.params),
                                          submodules=attn_sub),
-        mlp=ModuleSpec(module=mlp.module, params=dict(mlp.params), submodules=mlp_sub),
+        mlp=_with_mlp_submodules(mlp, mlp_sub),
         **({"input_layernorm": b(RoutedRMSNorm, "attention")} if a else {}),
         **({"pre_mlp_layernorm": b(RoutedRMSNorm, "ffn")} if f else {}))
     final_norm = b(RoutedRMSNorm, "logp") if router.is_r("logp") else layer_norm_of(base)
     one = ModuleSpec(module=base.module, submodules=layer)
     return TransformerBlockSubmodules(layer_specs=[one] * num_layers, layer_norm=final_norm)
+
+
+def _mlp_submodules(mlp):
+    """The MLP's submodules: 0.16 gives the MLP as a ModuleSpec, 0.19 as a partial of
+    MLP.as_mlp_submodule with its submodules as a keyword."""
+    if isinstance(mlp, functools.partial):
+        return mlp.keywords["submodules"]
+    return mlp.submodules
+
+
+def _with_mlp_submodules(mlp, submodules):
+    """The same MLP builder, in the same form, over other submodules."""
+    if isinstance(mlp, functools.partial):
+        return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+    return ModuleSpec(module=mlp.module, params=dict(mlp.params), submodules=submodules)
 
 
 def layer_norm_of(base: ModuleSpec):
