@@ -120,7 +120,7 @@ step rr-tp1-trace-gate 120 "${RLK[@]}" trace gate --trace "$WORK/rr-tp1/trace" -
   --world-size 1 --tp 1 --output "$OUT/rr-tp1-trace-gate.json"
 # The Megatron-core trainer against the built-in rollout engine on one GPU: a traced R/R run, its
 # trace check, and Megatron R/R against Megatron P/P step time in one run.
-FLAGS="--trace --trainer megatron" run megatron-rr-tp1 1 1 1 CUDA_VISIBLE_DEVICES=0
+FLAGS="--trace --trainer megatron --steps 2" run megatron-rr-tp1 1 1 1 CUDA_VISIBLE_DEVICES=0
 step megatron-rr-tp1-trace-gate 120 "${RLK[@]}" trace gate --trace "$WORK/megatron-rr-tp1/trace" \
   --device "$DEVICE" --world-size 1 --tp 1 --output "$OUT/megatron-rr-tp1-trace-gate.json"
 step megatron-step-time 400 env CUDA_VISIBLE_DEVICES=0 "$PY" benchmarks/step_time.py \
