@@ -77,7 +77,9 @@ def layout_env(tp: int, cp: int) -> dict[str, str]:
 
 
 def check_bitwise_run(proc, run_dir: Path, run_id: str, world: int) -> None:
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    verdict = run_dir / "bitwise-validation.json"
+    problems = json.loads(verdict.read_text())["problems"] if verdict.is_file() else None
+    assert proc.returncode == 0, (problems, proc.stderr[-3000:])
     for step in (0, 1):
         assert (f"step {step}: train_current_rollout_logprob_numel=64 "
                 "train_current_rollout_logprob_mismatch_count=0 "
