@@ -14,7 +14,7 @@ from rl_engine.ops import logp as logp_ops
 from rl_engine.runtime.routing import Router
 
 
-def _gather(t: torch.Tensor, tp: TPGroup, dim: int, sizes: list[int] | None = None, *,
+def gather_tp(t: torch.Tensor, tp: TPGroup, dim: int, sizes: list[int] | None = None, *,
             router: Router) -> torch.Tensor:
     """The TP shards of t concatenated along dim in rank order (sizes: uneven shard lengths); the
     router picks the transport (bytes only, the same result either way)."""
@@ -34,7 +34,7 @@ def full_state(model: Qwen3, source: dict[str, torch.Tensor] | None = None) -> d
     model.named_parameters(); default: the model's own weights). A collective over TP."""
     src = {n: p.detach() for n, p in model.named_parameters()} if source is None else source
     c, tp, d = model.config, model.tp, model.config.head_dim
-    gather = functools.partial(_gather, router=model.router)
+    gather = functools.partial(gather_tp, router=model.router)
     state = {"model.embed_tokens.weight": src["embed"], "model.norm.weight": src["final_norm"]}
     for i in range(c.num_hidden_layers):
         pre, s = f"model.layers.{i}.", (lambda n, i=i: src[f"layers.{i}.{n}"])

@@ -15,7 +15,7 @@ from rl_engine.models import checkpoint
 from rl_engine.models.config import Qwen3Config
 from rl_engine.runtime.plan import Plan
 
-from engines.test_optimizer_state import STEPS, TRAIN, reference_adamw, snapshot
+from engines.test_optimizer_state import TRAIN, check_adamw_over_steps, three_steps
 from engines.test_trainer import CONFIG, SAMPLES, STATE
 
 pytestmark = pytest.mark.slow
@@ -104,44 +104,6 @@ def test_all_p_fp32_logprobs_agree_with_transformers(tmp_path):
 
 
 # -- optimizer state across the steps of one resident trainer ----------------------------------
-def three_megatron_steps(rank: int, world: int) -> list[dict]:
-    """One MegatronTrainer kept for the whole run, as a resident MegatronRank keeps it."""
-    trainer = MegatronTrainer(CONFIG, STATE, Plan(), TRAIN)
-    out = [snapshot(trainer)]
-    for _ in range(STEPS):
-        forward_only = trainer.logprobs(SAMPLES)
-        result = trainer.step(SAMPLES)
-        out.append({**snapshot(trainer), "grads": {n: g.clone() for n, g in trainer.grads.items()},
-                    "same_logps": all(torch.equal(a, b)
-                                      for a, b in zip(forward_only, result.logps))})
-    return out
-
-
 def test_master_weights_and_moments_follow_adamw_over_three_megatron_steps():
-    (snaps,) = launch(three_megatron_steps, 1, timeout=300)
-    assert [s["steps"] for s in snaps] == [0, 1, 2, 3]
-    assert all(s["same_logps"] for s in snaps[1:]), "logprobs() gives the bits step() recomputes"
-    assert all(not torch.count_nonzero(t) for t in snaps[0]["m"].values()), "moments start at zero"
-    assert all(not torch.count_nonzero(t) for t in snaps[0]["v"].values()), "moments start at zero"
-    for step in range(1, STEPS + 1):
-        before, after = snaps[step - 1], snaps[step]
-        assert after["grads"].keys() == after["master"].keys() == after["params"].keys()
-        for name, g in after["grads"].items():
-            w, m, v = reference_adamw(before["master"][name], before["m"][name], before["v"][name],
-                                      g, step, TRAIN)
-            assert torch.equal(after["m"][name], m), (step, name)
-            assert torch.equal(after["v"][name], v), (step, name)
-            assert torch.equal(after["master"][name], w), (step, name)
-            p = after["params"][name]
-            assert torch.equal(p, w.to(p.dtype)), (step, name)
-        moved = [n for n, p in after["params"].items() if not torch.equal(p, before["params"][n])]
-        assert moved, f"step {step} moved no bf16 weight"
-        if step > 1:
-            # A trainer rebuilt every step would restart the moments and correct the bias as at
-            # step 1: that update differs from what happened.
-            name = next(iter(after["grads"]))
-            restarted, _, _ = reference_adamw(before["master"][name],
-                                              torch.zeros_like(before["m"][name]),
-                                              torch.zeros_like(before["v"][name]),
-                                              after["grads"][name], 1, TRAIN)
-            assert not torch.equal(after["master"][name], restarted)
+    (snaps,) = launch(three_steps, 1, args=(MegatronTrainer,), timeout=300)
+    check_adamw_over_steps(snaps)

@@ -36,9 +36,9 @@ def snapshot(trainer: Trainer) -> dict:
             "steps": trainer.steps}
 
 
-def three_steps(rank: int, world: int) -> list[dict]:
+def three_steps(rank: int, world: int, trainer_cls: type = Trainer) -> list[dict]:
     """One trainer object kept for the whole run, as a resident rank keeps it."""
-    trainer = Trainer(CONFIG, STATE, Plan(), TRAIN)
+    trainer = trainer_cls(CONFIG, STATE, Plan(), TRAIN)
     out = [snapshot(trainer)]
     for _ in range(STEPS):
         forward_only = trainer.logprobs(SAMPLES)
@@ -48,13 +48,15 @@ def three_steps(rank: int, world: int) -> list[dict]:
     return out
 
 
-def test_master_weights_and_moments_follow_adamw_over_three_steps():
-    (snaps,) = launch(three_steps, 1, timeout=300)
+def check_adamw_over_steps(snaps: list[dict]) -> None:
+    """The snapshots of three_steps follow the reference AdamW, bit for bit, from zero moments."""
     assert [s["steps"] for s in snaps] == [0, 1, 2, 3]
     assert all(s["same_logps"] for s in snaps[1:]), "logprobs() gives the bits step() recomputes"
-    assert all(not torch.count_nonzero(t) for t in snaps[0]["m"].values()), "moments start at zero"
+    for moment in ("m", "v"):
+        assert all(not torch.count_nonzero(t) for t in snaps[0][moment].values()), "moments start at zero"
     for step in range(1, STEPS + 1):
         before, after = snaps[step - 1], snaps[step]
+        assert after["grads"].keys() == after["master"].keys() == after["params"].keys()
         for name, g in after["grads"].items():
             w, m, v = reference_adamw(before["master"][name], before["m"][name], before["v"][name],
                                       g, step, TRAIN)
@@ -72,3 +74,8 @@ def test_master_weights_and_moments_follow_adamw_over_three_steps():
                                               torch.zeros_like(before["v"][name]),
                                               after["grads"][name], 1, TRAIN)
             assert not torch.equal(after["master"][name], restarted)
+
+
+def test_master_weights_and_moments_follow_adamw_over_three_steps():
+    (snaps,) = launch(three_steps, 1, timeout=300)
+    check_adamw_over_steps(snaps)

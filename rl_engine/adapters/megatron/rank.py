@@ -53,13 +53,7 @@ class MegatronTrainer(Trainer):
                                     TPGroup(lay.tp_rank, lay.tp, lay.tp_group), config.cp)
         load_hf(self.model, state)
         self.model.train()
-        self.params = dict(self.model.named_parameters())
-        self.master = {n: p.detach().float().clone() for n, p in self.params.items()}
-        self.exp_avg = {n: torch.zeros_like(m) for n, m in self.master.items()}
-        self.exp_avg_sq = {n: torch.zeros_like(m) for n, m in self.master.items()}
-        self.grads: dict[str, torch.Tensor] = {}
-        self.steps = 0
-        self.scale = model_config.head_dim ** -0.5
+        self.start_optimizer(model_config)
 
     def full_state_dict(self, which: str = "weights") -> dict[str, torch.Tensor]:
         """Hugging Face-named full tensors, TP shards gathered (see Trainer.full_state_dict)."""

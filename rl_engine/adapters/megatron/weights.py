@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 from rl_engine.adapters.megatron.model import RoutedGPTModel
-from rl_engine.models.tp import TPGroup
-from rl_engine.runtime.routing import Router
+from rl_engine.models.unshard import gather_tp
 
 _ATTN = "decoder.layers.{}.self_attention."
 _MLP = "decoder.layers.{}.mlp."
@@ -75,26 +74,12 @@ def load_hf(model: RoutedGPTModel, state: dict[str, torch.Tensor]) -> None:
         p.copy_(mine[name])
 
 
-def _gather(t: torch.Tensor, tp: TPGroup, dim: int, router: Router,
-            sizes: list[int] | None = None) -> torch.Tensor:
-    """TP shards of t concatenated along dim in rank order (bytes only; uneven `sizes` padded)."""
-    if tp.size == 1:
-        return t
-    t = t.movedim(dim, 0).contiguous()
-    width = max(sizes) if sizes else t.shape[0]
-    padded = t.new_zeros((width, *t.shape[1:]))
-    padded[:t.shape[0]] = t
-    parts = router.gather_bytes(padded, tp.group).split(width)
-    parts = [p[:n] for p, n in zip(parts, sizes)] if sizes else parts
-    return torch.cat(parts).movedim(0, dim)
-
-
 def megatron_to_hf(model: RoutedGPTModel, source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Full HF-named tensors of `source` (this rank's tensors under Megatron's names), gathered
     over TP: a collective of the TP group."""
     c, tp, r, d = model.qwen, model.tp, model.router, model.qwen.head_dim
-    rows = lambda t, sizes=None: _gather(t, tp, 0, r, sizes)  # noqa: E731
-    cols = lambda t: _gather(t, tp, 1, r)  # noqa: E731
+    rows = lambda t, sizes=None: gather_tp(t, tp, 0, sizes, router=r)  # noqa: E731
+    cols = lambda t: gather_tp(t, tp, 1, router=r)  # noqa: E731
     groups = c.num_key_value_heads // tp.size
     per_group = c.num_attention_heads // c.num_key_value_heads
     ffn = c.intermediate_size // tp.size

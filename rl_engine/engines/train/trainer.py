@@ -80,6 +80,11 @@ class Trainer:
         self.device = self.router.device
         self.model = Qwen3(model_config, self.router, TPGroup(lay.tp_rank, lay.tp, lay.tp_group))
         self.model.load_full(state)
+        self.start_optimizer(model_config)
+
+    def start_optimizer(self, model_config: Qwen3Config) -> None:
+        """fp32 master copies of the loaded parameters, zero AdamW moments, step 0: the state
+        the rank keeps for the whole run."""
         self.params = dict(self.model.named_parameters())
         self.master = {n: p.detach().float().clone() for n, p in self.params.items()}
         self.exp_avg = {n: torch.zeros_like(m) for n, m in self.master.items()}
