@@ -44,8 +44,9 @@ _MARKER = re.compile(r"^\[rlk\] exit-code (-?\d+)\s*$")
 _MESSAGE_CODE = re.compile(r"exit code (-?\d+)")
 # Seconds to let the log stream deliver its last lines once the job is terminal.
 LOG_DRAIN_S = 10.0
-# Seconds between status polls once the job's log stream has ended (the job is ending), and how
-# many such polls at most before the usual interval again.
+# Seconds between status polls once the job is ending (its log stream ended, or its output's last
+# line, the rlk exit-code marker, arrived), and how many such polls at most before the usual
+# interval again.
 ENDED_POLL_S, ENDED_POLLS = 0.2, 50
 
 
@@ -90,6 +91,10 @@ class _LogLines:
     def __init__(self, log, keep: int) -> None:
         self.log, self.partial, self.count = log, "", 0
         self.tail: deque[str] = deque(maxlen=keep)
+        # Set by the exit-code marker, the rlk command's last line: its output is complete and
+        # its process is exiting. Ray closes the stream only a second or more after the job
+        # ends, so the marker is the earlier sign of the end.
+        self.marker = asyncio.Event()
 
     def feed(self, chunk: str) -> None:
         *complete, self.partial = (self.partial + chunk).split("\n")
@@ -101,6 +106,8 @@ class _LogLines:
         self.log.info("%s", line)
         self.tail.append(line)
         self.count += 1
+        if _MARKER.match(line.strip()):
+            self.marker.set()
 
     def catch_up(self, full_log: str) -> None:
         """Log the lines of ``full_log`` the stream did not deliver (the stream broke)."""
@@ -177,11 +184,11 @@ class RayJobTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         hook = self._hook()
-        lines = _LogLines(self.log, self.log_tail_lines)
+        lines = self._lines = _LogLines(self.log, self.log_tail_lines)
         stream = asyncio.create_task(self._stream(hook, lines))
         try:
             event, started = await self._watch(hook, stream)
-            if started:
+            if started and not lines.marker.is_set():
                 # The server closes the stream once the job has ended; let the last lines arrive.
                 await asyncio.wait({stream}, timeout=LOG_DRAIN_S)
         finally:
@@ -222,15 +229,21 @@ class RayJobTrigger(BaseTrigger):
         }
 
     async def _pause(self, stream: asyncio.Task | None) -> None:
-        """Wait for the next poll. The server closes the log stream once the job has ended, so a
-        stream that ended by itself wakes the poll at once and the polls after it come faster:
-        the task ends within a fraction of a second of its job, not up to a poll interval late."""
+        """Wait for the next poll. The rlk exit-code marker, the command's last line, and the end
+        of the log stream (the server closes it once the job has ended) each wake the poll at once,
+        and the polls after them come faster: the task ends within a fraction of a second of its
+        job, not up to a poll interval late."""
+        lines: _LogLines | None = getattr(self, "_lines", None)
+        marker = lines is not None and lines.marker.is_set()
         if stream is None:
             await asyncio.sleep(self.poll_interval)
-        elif not stream.done():
-            await asyncio.wait({stream}, timeout=self.poll_interval)
-        elif (not stream.cancelled() and stream.exception() is None and stream.result()
-              and self._fast_polls < ENDED_POLLS):
+        elif not stream.done() and not marker:
+            wake = {stream} if lines is None else {stream, asyncio.ensure_future(lines.marker.wait())}
+            await asyncio.wait(wake, timeout=self.poll_interval, return_when=asyncio.FIRST_COMPLETED)
+            for waiter in wake - {stream}:
+                waiter.cancel()
+        elif (marker or (not stream.cancelled() and stream.exception() is None and stream.result()))\
+                and self._fast_polls < ENDED_POLLS:
             self._fast_polls += 1
             await asyncio.sleep(min(self.poll_interval, ENDED_POLL_S))
         else:  # the stream broke (it says nothing of the job), or the job still runs after all

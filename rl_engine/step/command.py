@@ -40,7 +40,7 @@ def execute(*, config: StepConfig, plan: Plan, run_id: str, root: Path, model_ro
     matrix attempt's folder (made by the matrix, holding its case file) records exit code 2."""
     inputs = step_inputs.load(model_root, prompt_file, count=config.rollout_batch_size,
                               chat_template=chat_template, verify_with=verify_inputs)
-    check_device(plan, config)
+    check_device(plan, config, inputs.config)
     made = not root.exists()
     run = layout.create(root)
     handler = logging.FileHandler(run.log)

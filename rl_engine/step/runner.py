@@ -32,6 +32,7 @@ from rl_engine.engines.train.packing import Sample as TrainSample
 from rl_engine.engines.train.rank import TrainerSpec
 from rl_engine.engines.train.trainer import TrainConfig
 from rl_engine.errors import BadInput, InfrastructureError
+from rl_engine.models.config import Qwen3Config
 from rl_engine.runtime import preflight
 from rl_engine.runtime.plan import Plan
 from rl_engine.step.config import StepConfig
@@ -84,7 +85,7 @@ def _write_train_data(run: RunDir, run_id: str, step: int, samples,
                        mismatch_count=mismatches, nonfinite_count=nonfinite, max_abs_diff=max_diff)
 
 
-def check_device(plan: Plan, config: StepConfig) -> None:
+def check_device(plan: Plan, config: StepConfig, model: Qwen3Config | None = None) -> None:
     """Before any rank starts: the plan's strict R routes can run on the device (what `rlk
     preflight --device` checks), and on CUDA each rank of the larger launch gets a GPU of its own.
     Under the Ray launcher the ranks run on the cluster's machines, not this one, so their own
@@ -95,7 +96,7 @@ def check_device(plan: Plan, config: StepConfig) -> None:
     for side, engine_id in (("training", config.trainer), ("rollout", config.rollout_engine)):
         refuse = getattr(rank_class(side, engine_id), "refuse", None)
         if refuse is not None:  # what a real engine cannot run, before any rank starts
-            refuse(plan, config)
+            refuse(plan, config, model)
     if envs.RLK_LAUNCHER == "ray":
         return
     try:
@@ -152,7 +153,7 @@ def rollout_world(cls: type, config: StepConfig) -> int:
 
 def run_steps(*, plan: Plan, config: StepConfig, inputs: Inputs, run: RunDir, run_id: str,
               trace: bool = False, on_phase: Callable[[str], None] = lambda _: None) -> list[StepFigures]:
-    check_device(plan, config)
+    check_device(plan, config, inputs.config)
     man = manifest.build(run_id=run_id, plan=plan.as_dict(), layout=config.as_dict(),
                          inputs=inputs.files())
     manifest.write(run.manifest, man)

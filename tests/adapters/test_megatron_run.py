@@ -44,14 +44,14 @@ def hf_folder(state_dir) -> Path:
     return write_hf_folder(state_dir / "models" / "hf", state_dir / "models" / "tiny")
 
 
-def write_hf_folder(out: Path, tokenizer_from: Path, dtype: str = "bfloat16") -> Path:
+def write_hf_folder(out: Path, tokenizer_from: Path, dtype: str = "bfloat16", **sizes) -> Path:
     import shutil
 
     import torch
     import transformers
 
     torch.manual_seed(7)
-    config = transformers.Qwen3Config(**HF_SIZES)
+    config = transformers.Qwen3Config(**{**HF_SIZES, **sizes})
     model = transformers.Qwen3ForCausalLM(config).to(getattr(torch, dtype))
     with torch.no_grad():  # norms away from 1, so a norm weight applied wrongly shows
         for name, p in model.named_parameters():
@@ -134,3 +134,16 @@ def test_all_p_megatron_gives_mismatches(state_dir, tmp_path):
     assert counts["ffn"]["production.megatron.MLP"] > 0
     assert counts["logp"]["production.megatron.vocab_parallel_cross_entropy"] > 0
     assert not [k for k, n in rec["kernel_totals"].items() if k.startswith("rlkernel.") and n]
+
+
+def test_a_vocab_that_tp_does_not_divide_is_refused_before_anything_is_written(state_dir, tmp_path):
+    """Megatron splits the embedding evenly over TP: vocab 4351 at TP=2 is bad input (exit 2,
+    one line naming the fix), found before the run directory is made or any rank starts."""
+    folder = write_hf_folder(tmp_path / "odd", state_dir / "models" / "tiny", vocab_size=4351)
+    run_dir = tmp_path / "run"
+    proc = rlk(state_dir, tmp_path, "run", "--workload", "ci", "--trainer", "megatron",
+               "--artifact-dir", str(run_dir), env={**layout_env(2, 1), "MODEL_ROOT": str(folder)})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert ("--trainer megatron: vocab_size=4351 is not a multiple of TP_SIZE=2 (Megatron splits "
+            "the embedding evenly over TP); pad the vocab or choose another TP size") in proc.stderr
+    assert "Traceback" not in proc.stderr and not run_dir.exists()

@@ -108,6 +108,37 @@ def test_the_event_follows_the_job_end_not_the_next_poll(ray_address):
     assert elapsed < job_s + 10.0, f"the event came {elapsed:.1f} s after a {job_s:.1f} s job"
 
 
+def test_the_exit_code_marker_wakes_the_poll_before_the_log_stream_ends():
+    """rlk's last line, `[rlk] exit-code N`, says the command is done: it wakes a poll that waits
+    on a log stream still open, and the polls after it come fast. Ray closes the stream a second
+    or more after the job has ended (about 4 s after it on the 2-core machine), so waiting for
+    the stream alone cost a matrix cell that much."""
+    import logging
+
+    from rlk_ray.triggers import ENDED_POLL_S, _LogLines
+
+    async def scenario():
+        trigger = RayJobTrigger(submission_id="s", address="http://127.0.0.1:1", poll_interval=60.0)
+        trigger._lines = _LogLines(logging.getLogger("test"), 5)
+        stream = asyncio.get_running_loop().create_future()  # a stream Ray has not closed yet
+        trigger._lines.feed("last words\n")
+        waiting = asyncio.create_task(trigger._pause(stream))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()  # other output does not end the wait
+        start = time.monotonic()
+        trigger._lines.feed("[rlk] exit-code 0\n")
+        await asyncio.wait_for(waiting, 5)
+        woke = time.monotonic() - start
+        start = time.monotonic()
+        await asyncio.wait_for(trigger._pause(stream), 5)  # the next poll comes fast too
+        fast = time.monotonic() - start
+        stream.cancel()
+        return woke, fast
+
+    woke, fast = asyncio.run(scenario())
+    assert woke < 5 and ENDED_POLL_S * 0.5 <= fast < 5
+
+
 def test_job_asking_for_a_gpu_on_a_gpu_less_cluster_is_stopped(ray_address, wait_status):
     hook = RayJobHook(address=ray_address)
     sid = hook.submit("echo never", "trig-gpu", entrypoint_num_gpus=1)

@@ -24,6 +24,7 @@ from rl_engine.engines.train import loss
 from rl_engine.engines.train.context_parallel import RowOrderedRouter
 from rl_engine.engines.train.rank import TrainerRank, TrainerSpec
 from rl_engine.engines.train.trainer import TrainConfig, Trainer
+from rl_engine.errors import BadInput
 from rl_engine.models import checkpoint
 from rl_engine.models.config import Qwen3Config
 from rl_engine.models.tp import TPGroup
@@ -67,6 +68,14 @@ class MegatronRank(TrainerRank):
     readback) over a MegatronTrainer; its readbacks carry the engine id megatron."""
 
     engine_id = ENGINE
+
+    @staticmethod
+    def refuse(plan: Plan, config, model: Qwen3Config | None = None) -> None:
+        """Before any rank starts (exit 2): a vocab that Megatron cannot split evenly over TP."""
+        if model is not None and model.vocab_size % config.tp:
+            raise BadInput(f"--trainer megatron: vocab_size={model.vocab_size} is not a multiple of "
+                           f"TP_SIZE={config.tp} (Megatron splits the embedding evenly over TP); "
+                           "pad the vocab or choose another TP size")
 
     def __init__(self, rank: int, world: int, spec: TrainerSpec):
         self.rank, self.world, self.spec = rank, world, spec

@@ -49,7 +49,7 @@ class VllmRank:
     one_process_per_engine = True
 
     @staticmethod
-    def refuse(plan: Plan, config) -> None:
+    def refuse(plan: Plan, config, model=None) -> None:
         """Before any rank starts (exit 2): a run where vLLM would not load the plugin, or a plan
         the plugin cannot route on the run's device."""
         if (why := plugin_missing()) is not None:
