@@ -184,10 +184,10 @@ class RayJobTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         hook = self._hook()
-        lines = self._lines = _LogLines(self.log, self.log_tail_lines)
+        lines = _LogLines(self.log, self.log_tail_lines)
         stream = asyncio.create_task(self._stream(hook, lines))
         try:
-            event, started = await self._watch(hook, stream)
+            event, started = await self._watch(hook, stream, lines)
             if started and not lines.marker.is_set():
                 # The server closes the stream once the job has ended; let the last lines arrive.
                 await asyncio.wait({stream}, timeout=LOG_DRAIN_S)
@@ -228,12 +228,11 @@ class RayJobTrigger(BaseTrigger):
             "reason": reason,
         }
 
-    async def _pause(self, stream: asyncio.Task | None) -> None:
+    async def _pause(self, stream: asyncio.Task | None, lines: _LogLines | None = None) -> None:
         """Wait for the next poll. The rlk exit-code marker, the command's last line, and the end
         of the log stream (the server closes it once the job has ended) each wake the poll at once,
         and the polls after them come faster: the task ends within a fraction of a second of its
         job, not up to a poll interval late."""
-        lines: _LogLines | None = getattr(self, "_lines", None)
         marker = lines is not None and lines.marker.is_set()
         if stream is None:
             await asyncio.sleep(self.poll_interval)
@@ -249,8 +248,8 @@ class RayJobTrigger(BaseTrigger):
         else:  # the stream broke (it says nothing of the job), or the job still runs after all
             await asyncio.sleep(self.poll_interval)
 
-    async def _watch(self, hook: RayJobHook,
-                     stream: asyncio.Task | None = None) -> tuple[dict[str, Any], bool]:
+    async def _watch(self, hook: RayJobHook, stream: asyncio.Task | None = None,
+                     lines: _LogLines | None = None) -> tuple[dict[str, Any], bool]:
         """Poll until the job ends; return the event and whether the job's driver ever started."""
         errors, warned, checked = 0, False, False
         while True:
@@ -280,7 +279,7 @@ class RayJobTrigger(BaseTrigger):
                     warned = True
                     self.log.warning("job %s pending for over %.0fs; it fits the cluster, so it "
                                      "waits", self.submission_id, self.pending_timeout)
-            await self._pause(stream)
+            await self._pause(stream, lines)
 
     async def _missing(self, hook: RayJobHook, request: dict[str, float]) -> str | None:
         """What the cluster lacks for ``request``, ``None`` if it fits, ``""`` if unknown just now."""

@@ -119,18 +119,18 @@ def test_the_exit_code_marker_wakes_the_poll_before_the_log_stream_ends():
 
     async def scenario():
         trigger = RayJobTrigger(submission_id="s", address="http://127.0.0.1:1", poll_interval=60.0)
-        trigger._lines = _LogLines(logging.getLogger("test"), 5)
+        lines = _LogLines(logging.getLogger("test"), 5)
         stream = asyncio.get_running_loop().create_future()  # a stream Ray has not closed yet
-        trigger._lines.feed("last words\n")
-        waiting = asyncio.create_task(trigger._pause(stream))
+        lines.feed("last words\n")
+        waiting = asyncio.create_task(trigger._pause(stream, lines))
         await asyncio.sleep(0.1)
         assert not waiting.done()  # other output does not end the wait
         start = time.monotonic()
-        trigger._lines.feed("[rlk] exit-code 0\n")
+        lines.feed("[rlk] exit-code 0\n")
         await asyncio.wait_for(waiting, 5)
         woke = time.monotonic() - start
         start = time.monotonic()
-        await asyncio.wait_for(trigger._pause(stream), 5)  # the next poll comes fast too
+        await asyncio.wait_for(trigger._pause(stream, lines), 5)  # the next poll comes fast too
         fast = time.monotonic() - start
         stream.cancel()
         return woke, fast
