@@ -127,6 +127,12 @@ step megatron-step-time 400 env CUDA_VISIBLE_DEVICES=0 "$PY" benchmarks/step_tim
   --model "$PRESET" --device "$DEVICE" --trainer megatron --repeats 1 --tp 1 --cp 1 \
   --actor-gpus 1 --rollout-gpus 1 --rollout-gpus-per-engine 1 \
   --out "$OUT/step_time_megatron_h200.json"
+# Megatron's DDP on every-P runs: its reduced grads against the gradients each parameter received.
+step megatron-ddp 300 "$PY" -m pytest -q -p no:cacheprovider tests/adapters/test_megatron_ddp.py
+# The Hopper ops: their CUDA tests (rows bitwise at every M, offsets and tile choices), then the
+# speed of every op against its production twin.
+step ops-tests 400 "$PY" -m pytest -q -p no:cacheprovider tests/ops/test_cuda_ops.py
+step hopper-ops 400 "$PY" benchmarks/hopper_ops.py --out "$OUT/hopper_ops.json"
 # The modules that hold CUDA tests (the others need Airflow, Ray or FastAPI, not installed there).
 step cuda_tests 600 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/distributed tests/ops \
   tests/step tests/validation

@@ -97,6 +97,7 @@ def check_bitwise_run(proc, run_dir: Path, run_id: str, world: int) -> None:
         rec = json.loads((run_dir / "readbacks" / name).read_text())
         assert rec["engine"] == "megatron" and rec["run_id"] == run_id
         assert rec["megatron_core"].split(".")[:2] in (["0", "16"], ["0", "19"])
+        assert rec["gradient_reduction"] == "rlkernel.fixed_order"
         for m in rec["modules"]:
             assert m["actual"] == "R" and not m["fallback"], m
             assert all(b.startswith("rlkernel.") for b in m["call_counts"]), m["call_counts"]
@@ -134,6 +135,8 @@ def test_all_p_megatron_gives_mismatches(state_dir, tmp_path):
     assert counts["ffn"]["production.megatron.MLP"] > 0
     assert counts["logp"]["production.megatron.vocab_parallel_cross_entropy"] > 0
     assert not [k for k, n in rec["kernel_totals"].items() if k.startswith("rlkernel.") and n]
+    # Megatron's DDP keeps its buffers on a CUDA device; on CPU ranks the process group sums.
+    assert rec["gradient_reduction"] == "production.all_reduce"
 
 
 def test_a_vocab_that_tp_does_not_divide_is_refused_before_anything_is_written(state_dir, tmp_path):

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.adapters.megatron import parallel
+from rl_engine.adapters.megatron import ddp, parallel
 from rl_engine.adapters.megatron.model import RoutedGPTModel
 from rl_engine.adapters.megatron.weights import load_hf, megatron_to_hf
 from rl_engine.engines.launch import rank_device
@@ -55,6 +55,26 @@ class MegatronTrainer(Trainer):
         load_hf(self.model, state)
         self.model.train()
         self.start_optimizer(model_config)
+        self.ddp = ddp.wrap(self.model) if self.gradient_reduction() == ddp.BACKEND else None
+
+    def gradient_reduction(self) -> str:
+        """Megatron's own DDP sums the gradients when every training route is P, on CUDA, where
+        its buffers live; on the CPU the process group's all-reduce does (the built-in rule)."""
+        if not self.router.any_r() and self.device.type == "cuda":
+            return ddp.BACKEND
+        return super().gradient_reduction()
+
+    def _accumulate(self, main: dict[str, torch.Tensor]) -> None:
+        # Under DDP each parameter's gradient hook has already added it to its fp32 main_grad.
+        if self.ddp is None:
+            super()._accumulate(main)
+
+    def _reduce(self, main: dict[str, torch.Tensor]) -> None:
+        if self.ddp is None:
+            return super()._reduce(main)
+        ddp.sum_over_dp_cp(self.ddp, self.params, main,
+                           counted_once=() if self.layout.cp_rank == 0 else (self.head_name,))
+        self._sum_qk_norms_over_tp(main)
 
     def full_state_dict(self, which: str = "weights") -> dict[str, torch.Tensor]:
         """Hugging Face-named full tensors, TP shards gathered (see Trainer.full_state_dict)."""

@@ -83,4 +83,5 @@ class TrainerRank:
         return records.write_readback(
             layout.RunDir(self.spec.run_dir), self.trainer.router, run_id=self.spec.run_id,
             rank=self.rank, world_size=self.world, step=step,
-            extra={"tp_rank": lay.tp_rank, "cp_rank": lay.cp_rank, "dp_rank": lay.dp_rank, **extra})
+            extra={"tp_rank": lay.tp_rank, "cp_rank": lay.cp_rank, "dp_rank": lay.dp_rank,
+                   "gradient_reduction": self.trainer.gradient_reduction(), **extra})

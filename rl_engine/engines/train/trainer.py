@@ -97,7 +97,7 @@ class Trainer:
     def step(self, samples: list[Sample]) -> StepResult:
         """Recomputes every sample's log-probs, takes one optimizer step, and returns the
         log-probs of all samples (gathered over DP) and the global batch's loss."""
-        cfg, lay = self.config, self.layout
+        cfg = self.config
         rewards = [float(self.reward_fn(s)) for s in samples]
         adv = loss.group_advantages(rewards, [s.group_key for s in samples], cfg.adv_eps)
         tokens = sum(len(s.response) for s in samples)
@@ -107,12 +107,7 @@ class Trainer:
         for batch in batches:
             idx = [lo + i for i in batch]
             mine += self._micro_batch([samples[i] for i in idx], [adv[i] for i in idx], tokens)
-            for n, p in self.params.items():
-                # The LM head runs on rows gathered over CP, so its gradient is the same on every
-                # CP rank: counted once.
-                if p.grad is not None and not (n == self.head_name and lay.cp_rank != 0):
-                    main[n] += p.grad.float()
-                p.grad = None
+            self._accumulate(main)
         self._reduce(main)
         self._adamw(main)
         self.grads = main
@@ -179,13 +174,34 @@ class Trainer:
         return list(logp.detach().split([len(s.response) for s in samples]))
 
     # -- gradients and optimizer --------------------------------------------------------------
+    def gradient_reduction(self) -> str:
+        """What sums the gradients over CP x DP (recorded in every readback)."""
+        return "rlkernel.fixed_order" if self.router.any_r() else "production.all_reduce"
+
+    def _accumulate(self, main: dict[str, torch.Tensor]) -> None:
+        """Adds this micro-batch's parameter gradients to the fp32 main grads."""
+        for n, p in self.params.items():
+            # The LM head runs on rows gathered over CP, so its gradient is the same on every CP
+            # rank: counted once.
+            if p.grad is not None and not (n == self.head_name and self.layout.cp_rank != 0):
+                main[n] += p.grad.float()
+            p.grad = None
+
     def _reduce(self, main: dict[str, torch.Tensor]) -> None:
+        self._sum_qk_norms_over_tp(main)
+        self._sum_over_grad_group(main)
+
+    def _sum_qk_norms_over_tp(self, main: dict[str, torch.Tensor]) -> None:
+        """q/k-norm weights are replicated over TP but applied to each rank's own heads."""
         lay = self.layout
         if lay.tp > 1:
             for n in main:
                 if n.endswith(self.qk_norm_names):
                     main[n] = self.router.collective("attention", "all_reduce", main[n],
                                                      lay.tp_group)
+
+    def _sum_over_grad_group(self, main: dict[str, torch.Tensor]) -> None:
+        lay = self.layout
         names = list(main)
         flat = torch.cat([main[n].flatten() for n in names])
         flat = self.router.sum_gradients(flat, lay.grad_group)
