@@ -96,27 +96,18 @@ __global__ void __launch_bounds__(rms_block<G>(), G <= 128 ? 3 : 1)
       for (int j = 0; j < V; ++j) dw[j * nv + vi] = 0.f;
     }
   }
-  // Row r + 1's g and x are loaded before row r's sum (which waits on the whole group), so each
-  // group keeps a row of loads in flight through its chain; the arithmetic is unchanged.
-  auto row_valid = [&](int r) { return chunk < chunks && chunk * kRmsChunk + r < rows; };
-  auto load_row = [&](int r, Raw<T, V>* gv, Raw<T, V>* xv) {
+  for (int r = 0; r < kRmsChunk; ++r) {  // same trip count in every group: group_sum syncs
     const int64_t row = chunk * kRmsChunk + r;
+    const bool valid = chunk < chunks && row < rows;
+    Raw<T, V> gv[kRmsMaxV], xv[kRmsMaxV];
 #pragma unroll
     for (int i = 0; i < kRmsMaxV; ++i) {
       const int vi = gt + i * G;
-      if (vi < nv) {
+      if (valid && vi < nv) {
         gv[i].load(g + row * h + vi * V);
         xv[i].load(x + row * h + vi * V);
       }
     }
-  };
-  Raw<T, V> gv[kRmsMaxV], xv[kRmsMaxV];
-  if (row_valid(0)) load_row(0, gv, xv);
-  for (int r = 0; r < kRmsChunk; ++r) {  // same trip count in every group: group_sum syncs
-    const int64_t row = chunk * kRmsChunk + r;
-    const bool valid = row_valid(r);
-    Raw<T, V> gn[kRmsMaxV], xn[kRmsMaxV];
-    if (r + 1 < kRmsChunk && row_valid(r + 1)) load_row(r + 1, gn, xn);
     float dot = 0.f;
 #pragma unroll
     for (int i = 0; i < kRmsMaxV; ++i) {
@@ -142,11 +133,6 @@ __global__ void __launch_bounds__(rms_block<G>(), G <= 128 ? 3 : 1)
         }
         store_f32<T, V>(dx + row * h + vi * V, dv);
       }
-    }
-#pragma unroll
-    for (int i = 0; i < kRmsMaxV; ++i) {
-      gv[i] = gn[i];
-      xv[i] = xn[i];
     }
   }
   if (chunk >= chunks) return;
