@@ -3,7 +3,8 @@
 # then runs, in order of importance, the IPC collective tests, the IPC-vs-NCCL benchmark, the
 # attention tests and benchmark, strict R/R steps of the `small` model at TP=2 and CP=2 (traced,
 # then the trace check), the attention parity gate on two GPUs, the R/R-over-P/P step-time benchmark, the
-# ablation matrix, the attention parity gate at TP=2, a traced R/R step on one GPU and every CUDA test.
+# ablation matrix, the attention parity gate at TP=2, a traced R/R step on one GPU, the Megatron-core
+# trainer (traced R/R, step time, its DDP test), the Hopper ops' tests and speed, and every CUDA test.
 # Every step has its own time limit and leaves its log and JSON under $OUT, so a run that is cut
 # short still returns what it finished; steps.tsv says how each step ended.
 #
