@@ -124,6 +124,15 @@ step rr-tp1-trace-gate 120 "${RLK[@]}" trace gate --trace "$WORK/rr-tp1/trace" -
 FLAGS="--trace --trainer megatron --steps 2" run megatron-rr-tp1 1 1 1 CUDA_VISIBLE_DEVICES=0
 step megatron-rr-tp1-trace-gate 120 "${RLK[@]}" trace gate --trace "$WORK/megatron-rr-tp1/trace" \
   --device "$DEVICE" --world-size 1 --tp 1 --output "$OUT/megatron-rr-tp1-trace-gate.json"
+# Every route P: Megatron's stock modules, its DDP summing the gradients (the training readback
+# names it), the bits differing from the rollout's.
+if wanted megatron-pp-tp1; then
+  step megatron-pp-tp1 240 env CUDA_VISIBLE_DEVICES=0 RL_KERNEL_ATTENTION_CASE=P/P \
+    RL_KERNEL_FFN_CASE=P/P RL_KERNEL_LOGP_CASE=P/P "${RLK[@]}" run --device "$DEVICE" \
+    --trainer megatron --steps 2 --model-root "$WORK/model" --tp 1 --cp 1 --actor-gpus 1 \
+    --rollout-gpus 1 --rollout-gpus-per-engine 1 --artifact-dir "$WORK/megatron-pp-tp1"
+  keep "$WORK/megatron-pp-tp1" megatron-pp-tp1
+fi
 step megatron-step-time 400 env CUDA_VISIBLE_DEVICES=0 "$PY" benchmarks/step_time.py \
   --model "$PRESET" --device "$DEVICE" --trainer megatron --repeats 1 --tp 1 --cp 1 \
   --actor-gpus 1 --rollout-gpus 1 --rollout-gpus-per-engine 1 \
