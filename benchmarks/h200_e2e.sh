@@ -10,59 +10,10 @@
 #
 #     OUT=h200-results bash benchmarks/h200_e2e.sh
 #
-# ARCHIVE=path.tgz also packs $OUT into that one file after every step (for a machine that hands
-# back only a few files).
-#
-# WHEELS=folder installs the wheels in it first (--no-deps): the machine cannot download, so a
-# pure-Python dependency such as megatron-core travels as a wheel.
-#
-# STEPS="rr-tp2 matrix ..." runs only the named steps (and the build and model they need), so the
-# evidence can be split over several shorter sessions on the machine.
-#
-# DEVICE=cpu PRESET=tiny SKIP_BUILD=1 runs the same plumbing on a CPU machine (the GPU-only steps
-# then fail or skip), to check the script itself.
-set -uo pipefail
+# ARCHIVE=, WHEELS=, STEPS= and DEVICE=cpu PRESET=tiny SKIP_BUILD=1: see benchmarks/gpu_steps.sh.
 cd "$(dirname "$0")/.."
-
-OUT="${OUT:?set OUT to the folder for the results}"
-WORK="${WORK:-$(mktemp -d)}"
-PY="${PYTHON:-python3}"
-DEVICE="${DEVICE:-cuda}"
+source benchmarks/gpu_steps.sh
 PRESET="${PRESET:-small}"
-RLK=("$PY" -m rl_engine.cli)
-mkdir -p "$OUT" "$WORK"
-# No NVLink SHARP multicast anywhere: its in-switch sums have no fixed order.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export RLK_STATE_DIR="$WORK/state" PYTHONUNBUFFERED=1
-
-pack() {  # the whole of $OUT in $ARCHIVE, replaced atomically
-  if [[ -n "${ARCHIVE:-}" ]]; then
-    tar -czf "$WORK/archive.tgz" -C "$OUT" . && mv "$WORK/archive.tgz" "$ARCHIVE"
-  fi
-}
-
-wanted() {  # wanted NAME: whether STEPS (empty: every step) names NAME
-  [[ -z "${STEPS:-}" || " $STEPS " == *" $1 "* ]]
-}
-
-step() {  # step NAME LIMIT_SECONDS COMMAND...: runs it, logs to $OUT/NAME.log, records its end
-  local name=$1 limit=$2 start rc
-  shift 2
-  [[ $name == build || $name == model || $name == wheels ]] || wanted "${name%-trace-gate}" || wanted "${name%-analyze}" || return 0
-  start=$(date +%s)
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  rc=$?
-  printf '%s\t%s\t%s\n' "$name" "$rc" "$(($(date +%s) - start))" | tee -a "$OUT/steps.tsv"
-  pack
-  return $rc
-}
-
-keep() {  # keep RUN_DIR NAME: the run's JSON evidence and log, without its bulky trace and tensors
-  local run=$1 name=$2
-  mkdir -p "$OUT/$name"
-  cp "$run"/*.json "$run"/run.log "$run"/exit-code "$OUT/$name/" 2>/dev/null
-  cp -r "$run/readbacks" "$OUT/$name/" 2>/dev/null
-}
 
 # A strict R/R step of the model, bitwise required: run NAME GPUS TP CP [VAR=VALUE...]; FLAGS
 # holds further `rlk run` flags. The first run generates the model.
@@ -80,14 +31,7 @@ run() {
   pack
 }
 
-nvidia-smi --query-gpu=name,memory.total --format=csv >"$OUT/gpus.csv" 2>&1
-if [[ -n "${WHEELS:-}" ]]; then
-  step wheels 120 bash -c "$PY -m pip install -q --no-deps $WHEELS/*.whl" || exit 1
-fi
-if [[ -z "${SKIP_BUILD:-}" ]]; then
-  step build 300 env MAX_JOBS=16 RLK_BUILD_CUDA=1 "$PY" -m pip install -q --no-deps \
-    --no-build-isolation -e . || exit 1
-fi
+prepare
 
 step ipc_tests 180 "$PY" -m pytest -q -x -p no:cacheprovider tests/distributed/test_cuda_ipc.py \
   tests/distributed/test_rank_order_sum_cuda.py
