@@ -48,6 +48,11 @@ LOG_DRAIN_S = 10.0
 # line, the rlk exit-code marker, arrived), and how many such polls at most before the usual
 # interval again.
 ENDED_POLL_S, ENDED_POLLS = 0.2, 50
+# While the job runs, the next poll comes after this fraction of the time since its submission,
+# at least FIRST_POLL_S and at most the trigger's poll_interval: the end of a short job is seen
+# within a fraction of a second (Ray's log stream delivers the exit-code marker a second or two
+# late), and a long job is polled every poll_interval (about 80 polls in its first 100 s at 5 s).
+FIRST_POLL_S, POLL_FRACTION = 0.25, 0.05
 
 
 def resolve_exit_code(
@@ -127,7 +132,8 @@ class RayJobTrigger(BaseTrigger):
     :param conn_id: the Airflow connection, for the cluster's token (the address is given).
     :param pending_timeout: seconds a job may stay PENDING before its request is checked against
         the cluster (see the module docstring).
-    :param poll_interval: seconds between status polls.
+    :param poll_interval: the longest time between status polls (seconds); the polls come sooner
+        while the job is young (``FIRST_POLL_S``, ``POLL_FRACTION``).
     :param max_poll_errors: consecutive failed polls after which the job counts as lost.
     :param log_tail_lines: last output lines carried in the event, for the exit-code marker.
     """
@@ -228,17 +234,24 @@ class RayJobTrigger(BaseTrigger):
             "reason": reason,
         }
 
-    async def _pause(self, stream: asyncio.Task | None, lines: _LogLines | None = None) -> None:
-        """Wait for the next poll. The rlk exit-code marker, the command's last line, and the end
-        of the log stream (the server closes it once the job has ended) each wake the poll at once,
-        and the polls after them come faster: the task ends within a fraction of a second of its
-        job, not up to a poll interval late."""
+    def interval(self, age: float) -> float:
+        """Seconds to the next poll of a job submitted ``age`` seconds ago."""
+        return min(self.poll_interval, max(FIRST_POLL_S, POLL_FRACTION * age))
+
+    async def _pause(self, stream: asyncio.Task | None, lines: _LogLines | None = None,
+                     age: float | None = None) -> None:
+        """Wait for the next poll, ``interval(age)`` (``poll_interval`` when the age is unknown).
+        The rlk exit-code marker, the command's last line, and the end of the log stream (the
+        server closes it once the job has ended) each wake the poll at once, and the polls after
+        them come faster: the task ends within a fraction of a second of its job, not up to a poll
+        interval late."""
         marker = lines is not None and lines.marker.is_set()
+        wait = self.poll_interval if age is None else self.interval(age)
         if stream is None:
-            await asyncio.sleep(self.poll_interval)
+            await asyncio.sleep(wait)
         elif not stream.done() and not marker:
             wake = {stream} if lines is None else {stream, asyncio.ensure_future(lines.marker.wait())}
-            await asyncio.wait(wake, timeout=self.poll_interval, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(wake, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
             for waiter in wake - {stream}:
                 waiter.cancel()
         elif (marker or (not stream.cancelled() and stream.exception() is None and stream.result()))\
@@ -246,7 +259,7 @@ class RayJobTrigger(BaseTrigger):
             self._fast_polls += 1
             await asyncio.sleep(min(self.poll_interval, ENDED_POLL_S))
         else:  # the stream broke (it says nothing of the job), or the job still runs after all
-            await asyncio.sleep(self.poll_interval)
+            await asyncio.sleep(wait)
 
     async def _watch(self, hook: RayJobHook, stream: asyncio.Task | None = None,
                      lines: _LogLines | None = None) -> tuple[dict[str, Any], bool]:
@@ -279,7 +292,7 @@ class RayJobTrigger(BaseTrigger):
                     warned = True
                     self.log.warning("job %s pending for over %.0fs; it fits the cluster, so it "
                                      "waits", self.submission_id, self.pending_timeout)
-            await self._pause(stream, lines)
+            await self._pause(stream, lines, self._pending_for(info))
 
     async def _missing(self, hook: RayJobHook, request: dict[str, float]) -> str | None:
         """What the cluster lacks for ``request``, ``None`` if it fits, ``""`` if unknown just now."""

@@ -260,9 +260,9 @@ def _wants_run(m: MatrixRun, cell: str, mid: str) -> bool:
 def check_inputs(m: MatrixRun) -> None:
     """What every cell would refuse, refused once: the model folder's config and the prompts file.
     The cells still check everything (weights, hashes, the device) themselves."""
-    from rl_engine.models import checkpoint
-
     if m.model_root is not None:
+        from rl_engine.models import checkpoint
+
         checkpoint.load_config(m.model_root)
     if m.prompt_data is not None and not Path(m.prompt_data).is_file():
         raise errors.BadInput(f"PROMPT_DATA {m.prompt_data} does not exist; give a JSONL file of prompts")
