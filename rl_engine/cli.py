@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         # made (about 0.5 s on a small CPU) only to free memory the exit frees anyway; frozen
         # objects are skipped. Exit handlers, threads and buffered output finish as usual.
         gc.freeze()
-    print(f"[rlk] exit-code {code}", file=sys.stderr)
+    print(f"{errors.MARKER} {code}", file=sys.stderr)
     return code
 
 

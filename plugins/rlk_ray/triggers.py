@@ -42,7 +42,8 @@ from rlk_ray.hooks import RayJobHook
 _MARKER = re.compile(r"^\[rlk\] exit-code (-?\d+)\s*$")
 # Ray's message for a failed entrypoint: "Job entrypoint command failed with exit code 3, ...".
 _MESSAGE_CODE = re.compile(r"exit code (-?\d+)")
-# Seconds to let the log stream deliver its last lines once the job is terminal.
+# Seconds to let the log stream deliver its last lines once the job is terminal, when its log
+# cannot be read in one call.
 LOG_DRAIN_S = 10.0
 # Seconds between status polls once the job is ending (its log stream ended, or its output's last
 # line, the rlk exit-code marker, arrived), and how many such polls at most before the usual
@@ -115,9 +116,13 @@ class _LogLines:
             self.marker.set()
 
     def catch_up(self, full_log: str) -> None:
-        """Log the lines of ``full_log`` the stream did not deliver (the stream broke)."""
+        """Log the lines of ``full_log`` the stream did not deliver (it broke, or the job ended
+        before it delivered them). Lines are split as ``feed`` splits them, so none is repeated."""
         self.partial = ""
-        for line in full_log.splitlines()[self.count:]:
+        pieces = full_log.split("\n")
+        if pieces[-1] == "":
+            pieces.pop()
+        for line in pieces[self.count:]:
             self.emit(line)
 
 
@@ -192,26 +197,37 @@ class RayJobTrigger(BaseTrigger):
         hook = self._hook()
         lines = _LogLines(self.log, self.log_tail_lines)
         stream = asyncio.create_task(self._stream(hook, lines))
+        rest: str | None = None
         try:
             event, started = await self._watch(hook, stream, lines)
-            if started and not lines.marker.is_set():
-                # The server closes the stream once the job has ended; let the last lines arrive.
-                await asyncio.wait({stream}, timeout=LOG_DRAIN_S)
+            if not stream.done():
+                # The job has ended, and its log with it; Ray's stream delivers the last lines a
+                # second or more later and closes later still, so the rest is read in one call.
+                # Only when that fails is the stream given time to deliver them.
+                rest = await self._full_log(hook)
+                if rest is None and started:
+                    await asyncio.wait({stream}, timeout=LOG_DRAIN_S)
         finally:
             stream.cancel()
             await asyncio.gather(stream, return_exceptions=True)
-        if not (stream.done() and not stream.cancelled() and stream.result()):
-            try:
-                lines.catch_up(await hook.alogs(self.submission_id))
-            except Exception as exc:
-                self.log.warning("could not read the rest of job %s's log: %s",
-                                 self.submission_id, exc)
+        ended = stream.done() and not stream.cancelled() and stream.result()
+        if rest is None and not ended:  # the stream broke: read what it missed
+            rest = await self._full_log(hook)
+        if rest is not None:
+            lines.catch_up(rest)
         elif lines.partial:
             lines.emit(lines.partial)
         event["log_tail"] = list(lines.tail)
         if event["exit_code"] is None:
             event["exit_code"] = resolve_exit_code(None, event["message"], event["log_tail"])
         yield TriggerEvent(event)
+
+    async def _full_log(self, hook: RayJobHook) -> str | None:
+        try:
+            return await hook.alogs(self.submission_id)
+        except Exception as exc:
+            self.log.warning("could not read the rest of job %s's log: %s", self.submission_id, exc)
+            return None
 
     async def _stream(self, hook: RayJobHook, lines: _LogLines) -> bool:
         """Feed the job's output to ``lines``; True if the stream ended with the job."""
