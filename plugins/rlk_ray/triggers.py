@@ -50,10 +50,11 @@ LOG_DRAIN_S = 10.0
 # interval again.
 ENDED_POLL_S, ENDED_POLLS = 0.2, 50
 # While the job runs, the next poll comes after this fraction of the time since its submission,
-# at least FIRST_POLL_S and at most the trigger's poll_interval: the end of a short job is seen
-# within a fraction of a second (Ray's log stream delivers the exit-code marker a second or two
-# late), and a long job is polled every poll_interval (about 80 polls in its first 100 s at 5 s).
-FIRST_POLL_S, POLL_FRACTION = 0.25, 0.05
+# at least FIRST_POLL_S and at most the trigger's poll_interval: the end of a job of a minute is
+# seen within about a second (Ray's log stream delivers the exit-code marker a second or two
+# late), and a long job is polled every poll_interval (from 250 s on at 5 s; about 150 polls in
+# its first 100 s, each a small HTTP call).
+FIRST_POLL_S, POLL_FRACTION = 0.25, 0.02
 
 
 def resolve_exit_code(
