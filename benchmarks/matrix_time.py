@@ -9,8 +9,18 @@ wall time of what ran it minus that:
 The overhead per cell is the median over the cells; targets: <= 3 s through the DAG, and the
 default matrix (the control and nine cells) <= 5 min through the DAG. Where the overhead goes:
 the start of `rlk` (Python and imports, timed alone), the runner's work around the cell (the
-direct overhead), and Airflow + Ray (the DAG's overhead minus the direct one). Writes
-benchmarks/results/matrix_time.json with the commit, its dirty flag and the load average.
+direct overhead), and Airflow + Ray (the DAG's overhead minus the direct one). Through the DAG each
+cell's overhead is also split at the Ray job's submission and end (Ray's own times), into four
+parts whose medians are in `dag.where`:
+- `to_submit_s`: the task's start to the job's submission (Airflow, the operator's submit call);
+- `to_cell_start_s`: the submission to the cell's STARTED_AT (Ray starts the job's supervisor, a
+  Python process of its own, which starts `rlk matrix run`, which starts the cell);
+- `after_cell_s`: the cell's exit code to the job's end (the cell's `rlk run` exits, then the
+  runner judges the cell, writes the matrix report and exits);
+- `to_task_end_s`: the job's end to the task's end (the trigger sees it, reads the rest of the
+  log; the task resumes and ends).
+Writes benchmarks/results/matrix_time.json (schema 2: schema 1 had no `dag.where` and per-cell
+parts) with the commit, its dirty flag and the load average.
 
     python benchmarks/matrix_time.py [--workload ci|default] [--skip-dag] [--skip-direct]
 """
@@ -43,9 +53,56 @@ def own_times(root: Path) -> dict[str, float | None]:
     return {c["cell"]: c["latest"].get("duration_s") for c in report["cells"]}
 
 
-def _median(rows: list[dict]) -> float | None:
-    values = [r["overhead_s"] for r in rows if r.get("overhead_s") is not None]
+SCHEMA_VERSION = 2
+PARTS = ("to_submit_s", "to_cell_start_s", "after_cell_s", "to_task_end_s")
+
+
+def _median(rows: list[dict], key: str = "overhead_s") -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
     return round(statistics.median(values), 3) if values else None
+
+
+def _epoch(iso: str | None) -> float | None:
+    from datetime import datetime
+
+    return datetime.fromisoformat(iso).timestamp() if iso else None
+
+
+def parts(dag_run, report: dict, head) -> dict[str, dict[str, float | None]]:
+    """Per cell, its overhead split at the Ray job's submission and end (see the docstring)."""
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.utils.session import create_session
+    from ray.job_submission import JobSubmissionClient
+
+    jobs: dict[str, object] = {}
+    for job in sorted(JobSubmissionClient(head.address, headers=head.headers()).list_jobs(),
+                      key=lambda j: j.start_time or 0):
+        for word in (job.entrypoint or "").split():
+            if word.startswith("--case="):
+                jobs[word.removeprefix("--case=")] = job  # the last try of the cell
+    latest = {c["cell"]: c["latest"] for c in report["cells"]}
+    out: dict[str, dict[str, float | None]] = {}
+    with create_session() as session:
+        for ti in session.query(TaskInstance).filter(TaskInstance.dag_id == demo_dag_id(),
+                                                     TaskInstance.run_id == dag_run.run_id):
+            cell = "control" if ti.task_id == "control" else ti.rendered_map_index
+            job, row = jobs.get(cell), latest.get(cell) or {}
+            if ti.task_id not in ("control", "cell") or job is None or not ti.end_date:
+                continue
+            marks = [ti.start_date.timestamp(), job.start_time / 1000.0,
+                     _epoch(row.get("started_at")), _epoch(row.get("finished_at")),
+                     (job.end_time or 0) / 1000.0 or None, ti.end_date.timestamp()]
+            spans = [None if a is None or b is None else round(b - a, 3)
+                     for a, b in ((marks[0], marks[1]), (marks[1], marks[2]),
+                                  (marks[3], marks[4]), (marks[4], marks[5]))]
+            out[cell] = dict(zip(PARTS, spans))
+    return out
+
+
+def demo_dag_id() -> str:
+    from rl_engine.stack import demo
+
+    return demo.DAG_ID
 
 
 def startup_s(repeats: int = 3) -> dict[str, float]:
@@ -90,20 +147,22 @@ def through_dag(workload: str, base: Path) -> dict:
 
     conf = {"workload": workload, "cells": list(ISOLATION_CELLS), "model": "tiny", "device": "cpu",
             "append_history": False}
-    with demo.embedded(base / "state", base / "matrix-runs"):
+    with demo.embedded(base / "state", base / "matrix-runs") as (head, _):
         t0 = time.monotonic()
         dag_run = demo.trigger(conf)
         wall = time.monotonic() - t0
         root = demo.matrix_root_of(dag_run.run_id)
         report = json.loads(MatrixRoot(root).report.read_text())
+        split = parts(dag_run, report, head)
         rows = [{"cell": r["cell"], "task_s": r["task_s"], "own_s": r["cell_s"],
-                 "overhead_s": r["overhead_s"]} for r in demo.overheads(dag_run, report)]
+                 "overhead_s": r["overhead_s"], **split.get(r["cell"], dict.fromkeys(PARTS))}
+                for r in demo.overheads(dag_run, report)]
         span = None
         if dag_run.start_date and dag_run.end_date:
             span = round((dag_run.end_date - dag_run.start_date).total_seconds(), 3)
     return {"state": str(dag_run.state), "verdict_exit_code": report["verdict"]["exit_code"],
             "wall_s": round(wall, 3), "dag_run_s": span, "cells": rows,
-            "median_overhead_s": _median(rows)}
+            "median_overhead_s": _median(rows), "where": {k: _median(rows, k) for k in PARTS}}
 
 
 def main() -> int:
@@ -122,7 +181,7 @@ def main() -> int:
     os.environ.update(RLK_STATE_DIR=env["RLK_STATE_DIR"])
     src = provenance.source()
     result: dict = {
-        "benchmark": "matrix_time", "workload": args.workload, "cells": CELLS,
+        "schema_version": SCHEMA_VERSION, "benchmark": "matrix_time", "workload": args.workload, "cells": CELLS,
         "commit": src["commit"], "dirty": src["dirty"],
         "targets": {"overhead_per_cell_s": TARGET_OVERHEAD_S, "dag_matrix_s": TARGET_DAG_S},
         "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version(),
@@ -148,6 +207,8 @@ def main() -> int:
     result["machine"]["load_average_at_end"] = list(os.getloadavg())
     files.write_json(RESULTS, result)
     print(json.dumps({k: result.get(k) for k in ("startup", "verdict")}, indent=1))
+    if "dag" in result:
+        print(f"where the DAG's overhead goes (medians): {result['dag']['where']}")
     for part in ("direct", "dag"):
         if part in result:
             print(f"{part}: median overhead per cell {result[part]['median_overhead_s']} s")

@@ -8,6 +8,9 @@ came, evidence incomplete). Orchestration retries only 3.
 from __future__ import annotations
 
 OK, PARITY_FAILURE, BAD_INPUT, INFRASTRUCTURE = 0, 1, 2, 3
+# Every `rlk` process's last line is MARKER followed by its exit code ("[rlk] exit-code 0"), so
+# whoever reads its output knows the code, and that the process is exiting, before it has exited.
+MARKER = "[rlk] exit-code"
 
 
 class RlkError(Exception):

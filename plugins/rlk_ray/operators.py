@@ -58,7 +58,8 @@ class RayJobOperator(BaseOperator):
         BaseOperator's executor-resources argument).
     :param runtime_env: Ray runtime environment of the job (templated).
     :param pending_timeout: seconds a PENDING job waits before it is checked for feasibility.
-    :param poll_interval: seconds between status polls in the trigger.
+    :param poll_interval: the longest time between status polls in the trigger (seconds; a
+        young job is polled sooner, see ``rlk_ray.triggers.POLL_FRACTION``).
     :param conn_id: Airflow connection of the Ray dashboard.
 
     Retries default to 2 with exponential backoff: only retryable failures use them. In Airflow 3.3

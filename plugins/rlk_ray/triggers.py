@@ -42,12 +42,19 @@ from rlk_ray.hooks import RayJobHook
 _MARKER = re.compile(r"^\[rlk\] exit-code (-?\d+)\s*$")
 # Ray's message for a failed entrypoint: "Job entrypoint command failed with exit code 3, ...".
 _MESSAGE_CODE = re.compile(r"exit code (-?\d+)")
-# Seconds to let the log stream deliver its last lines once the job is terminal.
+# Seconds to let the log stream deliver its last lines once the job is terminal, when its log
+# cannot be read in one call.
 LOG_DRAIN_S = 10.0
 # Seconds between status polls once the job is ending (its log stream ended, or its output's last
 # line, the rlk exit-code marker, arrived), and how many such polls at most before the usual
 # interval again.
 ENDED_POLL_S, ENDED_POLLS = 0.2, 50
+# While the job runs, the next poll comes after this fraction of the time since its submission,
+# at least FIRST_POLL_S and at most the trigger's poll_interval: the end of a job of a minute is
+# seen within about a second (Ray's log stream delivers the exit-code marker a second or two
+# late), and a long job is polled every poll_interval (from 250 s on at 5 s; about 150 polls in
+# its first 100 s, each a small HTTP call).
+FIRST_POLL_S, POLL_FRACTION = 0.25, 0.02
 
 
 def resolve_exit_code(
@@ -110,9 +117,13 @@ class _LogLines:
             self.marker.set()
 
     def catch_up(self, full_log: str) -> None:
-        """Log the lines of ``full_log`` the stream did not deliver (the stream broke)."""
+        """Log the lines of ``full_log`` the stream did not deliver (it broke, or the job ended
+        before it delivered them). Lines are split as ``feed`` splits them, so none is repeated."""
         self.partial = ""
-        for line in full_log.splitlines()[self.count:]:
+        pieces = full_log.split("\n")
+        if pieces[-1] == "":
+            pieces.pop()
+        for line in pieces[self.count:]:
             self.emit(line)
 
 
@@ -127,7 +138,8 @@ class RayJobTrigger(BaseTrigger):
     :param conn_id: the Airflow connection, for the cluster's token (the address is given).
     :param pending_timeout: seconds a job may stay PENDING before its request is checked against
         the cluster (see the module docstring).
-    :param poll_interval: seconds between status polls.
+    :param poll_interval: the longest time between status polls (seconds); the polls come sooner
+        while the job is young (``FIRST_POLL_S``, ``POLL_FRACTION``).
     :param max_poll_errors: consecutive failed polls after which the job counts as lost.
     :param log_tail_lines: last output lines carried in the event, for the exit-code marker.
     """
@@ -186,26 +198,37 @@ class RayJobTrigger(BaseTrigger):
         hook = self._hook()
         lines = _LogLines(self.log, self.log_tail_lines)
         stream = asyncio.create_task(self._stream(hook, lines))
+        rest: str | None = None
         try:
             event, started = await self._watch(hook, stream, lines)
-            if started and not lines.marker.is_set():
-                # The server closes the stream once the job has ended; let the last lines arrive.
-                await asyncio.wait({stream}, timeout=LOG_DRAIN_S)
+            if not stream.done():
+                # The job has ended, and its log with it; Ray's stream delivers the last lines a
+                # second or more later and closes later still, so the rest is read in one call.
+                # Only when that fails is the stream given time to deliver them.
+                rest = await self._full_log(hook)
+                if rest is None and started:
+                    await asyncio.wait({stream}, timeout=LOG_DRAIN_S)
         finally:
             stream.cancel()
             await asyncio.gather(stream, return_exceptions=True)
-        if not (stream.done() and not stream.cancelled() and stream.result()):
-            try:
-                lines.catch_up(await hook.alogs(self.submission_id))
-            except Exception as exc:
-                self.log.warning("could not read the rest of job %s's log: %s",
-                                 self.submission_id, exc)
+        ended = stream.done() and not stream.cancelled() and stream.result()
+        if rest is None and not ended:  # the stream broke: read what it missed
+            rest = await self._full_log(hook)
+        if rest is not None:
+            lines.catch_up(rest)
         elif lines.partial:
             lines.emit(lines.partial)
         event["log_tail"] = list(lines.tail)
         if event["exit_code"] is None:
             event["exit_code"] = resolve_exit_code(None, event["message"], event["log_tail"])
         yield TriggerEvent(event)
+
+    async def _full_log(self, hook: RayJobHook) -> str | None:
+        try:
+            return await hook.alogs(self.submission_id)
+        except Exception as exc:
+            self.log.warning("could not read the rest of job %s's log: %s", self.submission_id, exc)
+            return None
 
     async def _stream(self, hook: RayJobHook, lines: _LogLines) -> bool:
         """Feed the job's output to ``lines``; True if the stream ended with the job."""
@@ -228,17 +251,24 @@ class RayJobTrigger(BaseTrigger):
             "reason": reason,
         }
 
-    async def _pause(self, stream: asyncio.Task | None, lines: _LogLines | None = None) -> None:
-        """Wait for the next poll. The rlk exit-code marker, the command's last line, and the end
-        of the log stream (the server closes it once the job has ended) each wake the poll at once,
-        and the polls after them come faster: the task ends within a fraction of a second of its
-        job, not up to a poll interval late."""
+    def interval(self, age: float) -> float:
+        """Seconds to the next poll of a job submitted ``age`` seconds ago."""
+        return min(self.poll_interval, max(FIRST_POLL_S, POLL_FRACTION * age))
+
+    async def _pause(self, stream: asyncio.Task | None, lines: _LogLines | None = None,
+                     age: float | None = None) -> None:
+        """Wait for the next poll, ``interval(age)`` (``poll_interval`` when the age is unknown).
+        The rlk exit-code marker, the command's last line, and the end of the log stream (the
+        server closes it once the job has ended) each wake the poll at once, and the polls after
+        them come faster: the task ends within a fraction of a second of its job, not up to a poll
+        interval late."""
         marker = lines is not None and lines.marker.is_set()
+        wait = self.poll_interval if age is None else self.interval(age)
         if stream is None:
-            await asyncio.sleep(self.poll_interval)
+            await asyncio.sleep(wait)
         elif not stream.done() and not marker:
             wake = {stream} if lines is None else {stream, asyncio.ensure_future(lines.marker.wait())}
-            await asyncio.wait(wake, timeout=self.poll_interval, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(wake, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
             for waiter in wake - {stream}:
                 waiter.cancel()
         elif (marker or (not stream.cancelled() and stream.exception() is None and stream.result()))\
@@ -246,7 +276,7 @@ class RayJobTrigger(BaseTrigger):
             self._fast_polls += 1
             await asyncio.sleep(min(self.poll_interval, ENDED_POLL_S))
         else:  # the stream broke (it says nothing of the job), or the job still runs after all
-            await asyncio.sleep(self.poll_interval)
+            await asyncio.sleep(wait)
 
     async def _watch(self, hook: RayJobHook, stream: asyncio.Task | None = None,
                      lines: _LogLines | None = None) -> tuple[dict[str, Any], bool]:
@@ -279,7 +309,7 @@ class RayJobTrigger(BaseTrigger):
                     warned = True
                     self.log.warning("job %s pending for over %.0fs; it fits the cluster, so it "
                                      "waits", self.submission_id, self.pending_timeout)
-            await self._pause(stream, lines)
+            await self._pause(stream, lines, self._pending_for(info))
 
     async def _missing(self, hook: RayJobHook, request: dict[str, float]) -> str | None:
         """What the cluster lacks for ``request``, ``None`` if it fits, ``""`` if unknown just now."""

@@ -8,8 +8,10 @@ bits), and `max_abs_diff` is taken over the pairs where both sides are finite.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch loads with the first comparison, not with the verdict's modules
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +25,8 @@ class Comparison:
 
 
 def compare(rollout: torch.Tensor, trainer: torch.Tensor) -> Comparison:
+    import torch
+
     if rollout.dtype != torch.float32 or trainer.dtype != torch.float32:
         raise ValueError(f"log-probs must be float32, got {rollout.dtype} and {trainer.dtype}")
     if rollout.shape != trainer.shape:

@@ -5,6 +5,10 @@ every step: the record keeps what the rank executed in each step (`steps`) and i
 (`modules`), tagged with the run id and the source commit so that a record of another run or
 another checkout can never pass as this run's evidence. Readers return what they could read and
 append a named problem for what they could not.
+
+Readers and the case file need no torch: the matrix runner writes a case file and judges finished
+runs, and torch (with the kernels' library) is imported only by the functions that need it, the
+readback writer (in a worker, where it is loaded already) and the train-data reader.
 """
 
 from __future__ import annotations
@@ -14,14 +18,14 @@ import json
 import os
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rl_engine.artifacts import files, provenance
-from rl_engine.distributed import collectives
 from rl_engine.evidence import layout
-from rl_engine.ops import counters
 from rl_engine.runtime.plan import MODULES, Plan
-from rl_engine.runtime.routing import Router
+
+if TYPE_CHECKING:
+    from rl_engine.runtime.routing import Router
 
 READBACK_SCHEMA = 2
 
@@ -38,6 +42,8 @@ def short(exc: BaseException) -> str:
 
 def kernel_totals() -> dict[str, int]:
     """Launches of every rl_engine kernel in this process, by kernel and backend id."""
+    from rl_engine.ops import counters
+
     return {f"{counters.backend_id(kernel, device)}:{kernel}": n
             for (kernel, device), n in counters.read().items() if n}
 
@@ -82,6 +88,8 @@ def _totals(steps: list[dict[str, Any]], router: Router) -> list[dict[str, Any]]
 def write_readback(run: layout.RunDir, router: Router, *, run_id: str, rank: int, world_size: int,
                    step: int, extra: dict[str, Any] | None = None) -> Path:
     """Writes (after a later step, replaces) this rank's record atomically."""
+    from rl_engine.distributed import collectives
+
     path = run.readback_file(router.engine, router.side, rank)
     current = {"step": step, "modules": _step_modules(path, router)}
     steps = sorted([*_earlier_steps(path, run_id, step), current], key=lambda s: s["step"])

@@ -152,13 +152,35 @@ def cell_lock(root: Path, cell: str, out: TextIO) -> Iterator[int]:
         os.close(fd)
 
 
+# What judging a finished cell imports (torch reads its train data, pyarrow writes the tables),
+# about 1.5 s on a small CPU.
+ANALYSIS_MODULES = ("torch", "pyarrow.parquet", "rl_engine.matrix.tables")
+_MARKER = errors.MARKER.encode()
+
+
+def _import_analysis() -> None:
+    import importlib
+
+    for name in ANALYSIS_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the analysis imports it again and reports the error
+            return
+
+
 def _pump(stream, console: Path, out: TextIO, prefix: str) -> None:
+    """Copy the cell's output to console.log and ours. The run's last line, its exit-code marker,
+    says it is exiting (which takes it a second with the Ray launcher, while its Ray connection
+    closes): the analysis' imports are loaded then, while the runner would only wait, rather than
+    after the run has exited."""
     with open(console, "ab") as fh:
         for line in iter(stream.readline, b""):
             fh.write(line)
             fh.flush()
             out.write(prefix + line.decode("utf-8", "replace"))
             out.flush()
+            if line.startswith(_MARKER):
+                threading.Thread(target=_import_analysis, daemon=True, name="import-analysis").start()
 
 
 def case_env(mid: str, cell: str, attempt_id: str, workload: str, config, *,
@@ -260,9 +282,9 @@ def _wants_run(m: MatrixRun, cell: str, mid: str) -> bool:
 def check_inputs(m: MatrixRun) -> None:
     """What every cell would refuse, refused once: the model folder's config and the prompts file.
     The cells still check everything (weights, hashes, the device) themselves."""
-    from rl_engine.models import checkpoint
-
     if m.model_root is not None:
+        from rl_engine.models import checkpoint
+
         checkpoint.load_config(m.model_root)
     if m.prompt_data is not None and not Path(m.prompt_data).is_file():
         raise errors.BadInput(f"PROMPT_DATA {m.prompt_data} does not exist; give a JSONL file of prompts")

@@ -1,14 +1,21 @@
-"""Qwen3 model configuration, read from and written to a Hugging Face `config.json`."""
+"""Qwen3 model configuration, read from and written to a Hugging Face `config.json`.
+
+Torch-free on import (torch is imported by `dtype` only): the CLI reads the presets to print its
+help, and `rlk matrix run` checks a model folder's config before any cell starts.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# The dtypes a config may name, by their torch attribute.
+_DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,7 +44,9 @@ class Qwen3Config:
 
     @property
     def dtype(self) -> torch.dtype:
-        return _DTYPES[self.torch_dtype]
+        import torch
+
+        return getattr(torch, self.torch_dtype)
 
     def check_tp(self, tp: int) -> None:
         for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):

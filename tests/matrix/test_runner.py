@@ -179,3 +179,69 @@ def test_resume_needs_an_existing_root(tmp_path, fake_rlk):
                  "--workload", "ci", "--no-history"])
     assert code == 2
     assert not (tmp_path / "none").exists()
+
+
+def in_new_python(code: str, *args: str) -> str:
+    """The last line a fresh Python prints running ``code`` (this session has torch loaded)."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_a_cell_starts_before_the_runner_imports_torch(tmp_path, clean_env):
+    """`rlk matrix run --case X` (a DAG job) spends nothing on torch before its cell starts: the
+    cell's own `rlk run` imports it, and the runner only for judging the cell afterwards (about
+    1.5 s each on a 2-core machine)."""
+    code = """
+import json, sys
+from pathlib import Path
+from rl_engine.matrix import runner
+runner.RLK_COMMAND = (sys.executable, sys.argv[1])
+seen = {}
+m = runner.MatrixRun(root=Path(sys.argv[2]), cells=["ffn-PR"], workload="ci",
+                     on_start=lambda cell, folder, proc: seen.setdefault(cell, "torch" in sys.modules))
+code, report = runner.run(m)
+print(json.dumps({"at_cell_start": seen["ffn-PR"], "code": code}))
+"""
+    out = json.loads(in_new_python(code, str(FAKE), str(tmp_path / "m")))
+    assert out == {"at_cell_start": False, "code": 0}
+
+
+def test_the_runner_loads_what_the_analysis_needs_while_a_cell_exits(tmp_path, clean_env):
+    """A cell's `rlk run` prints its exit-code marker as its last line, then exits (a second with
+    the Ray launcher, while its Ray connection closes); the runner imports torch for judging the
+    cell in that time rather than after the run has exited."""
+    slow_exit = tmp_path / "slow_exit.py"
+    slow_exit.write_text(f"""
+import os, runpy, sys, time
+from pathlib import Path
+try:
+    runpy.run_path({str(FAKE)!r}, run_name="__main__")
+except SystemExit as exc:
+    code = exc.code
+print(f"[rlk] exit-code {{code}}", file=sys.stderr, flush=True)
+time.sleep(2)  # the run's exit
+Path(os.environ["EXITED_AT"]).write_text(str(time.time()))
+""")
+    code = """
+import json, os, sys, threading, time
+from pathlib import Path
+from rl_engine.matrix import runner
+root, exited = Path(sys.argv[2]), Path(sys.argv[3])
+os.environ["EXITED_AT"] = str(exited)
+runner.RLK_COMMAND = (sys.executable, sys.argv[1])
+seen = []
+def watch():
+    while "torch" not in sys.modules:
+        time.sleep(0.02)
+    seen.append(time.time())
+threading.Thread(target=watch, daemon=True).start()
+code, report = runner.run(runner.MatrixRun(root=root, cells=["ffn-PR"], workload="ci"))
+print(json.dumps({"code": code, "before_exit": seen[0] < float(exited.read_text())}))
+"""
+    out = json.loads(in_new_python(code, str(slow_exit), str(tmp_path / "m"),
+                                   str(tmp_path / "exited")))
+    assert out == {"code": 0, "before_exit": True}

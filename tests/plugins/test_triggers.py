@@ -139,6 +139,86 @@ def test_the_exit_code_marker_wakes_the_poll_before_the_log_stream_ends():
     assert woke < 5 and ENDED_POLL_S * 0.5 <= fast < 5
 
 
+def test_a_short_job_is_seen_ending_by_a_status_poll_before_its_log_says_so():
+    """Ray delivers a job's output a second or two late, so a cell's task would wait that long
+    after its job for the exit-code marker; the status polls come often while a job is young, so
+    the end of a short job is seen within a fraction of a second whatever the log stream does."""
+    import logging
+
+    from ray.job_submission import JobStatus
+
+    from rlk_ray.triggers import FIRST_POLL_S, POLL_FRACTION, _LogLines
+
+    submitted = time.time()
+    ends = submitted + 1.5
+    polls = []
+
+    class Hook:  # a job that runs 1.5 s
+        async def ainfo(self, submission_id):
+            polls.append(time.time())
+            status = JobStatus.SUCCEEDED if time.time() >= ends else JobStatus.RUNNING
+            return SimpleNamespace(status=status, driver_agent_http_address="http://agent",
+                                   start_time=submitted * 1000, message=None, driver_exit_code=0)
+
+    async def scenario():
+        trigger = RayJobTrigger(submission_id="s", address="http://127.0.0.1:1", poll_interval=60.0)
+        lines = _LogLines(logging.getLogger("test"), 5)
+        stream = asyncio.get_running_loop().create_future()  # Ray's stream: nothing more yet
+        event, started = await asyncio.wait_for(trigger._watch(Hook(), stream, lines), 10)
+        stream.cancel()
+        return trigger, event, started
+
+    trigger, event, started = asyncio.run(scenario())
+    late = time.time() - ends
+    assert (event["status"], event["exit_code"], started) == ("SUCCEEDED", 0, True)
+    assert late < 2 * FIRST_POLL_S, f"the end was seen {late:.2f} s after the job ended"
+    assert len(polls) < 15  # often, not busily
+    # A long job is polled every poll_interval, no more often.
+    assert trigger.interval(10_000.0) == 60.0 and trigger.interval(40.0) == 40.0 * POLL_FRACTION
+
+
+def test_the_end_of_the_log_is_read_at_once_when_the_job_has_ended(monkeypatch):
+    """Ray's stream delivers a job's last lines a second or more after the job ends and closes
+    later still; once the job has ended its log is read in one call, so the task does not wait
+    for the stream, and every line reaches the task log once, in order."""
+    from ray.job_submission import JobStatus
+
+    submitted = time.time()
+    output = "first\nsecond\n[rlk] exit-code 0\n"
+
+    class Hook:  # a job that has just ended; its stream has delivered only the first line
+        async def ainfo(self, submission_id):
+            return SimpleNamespace(status=JobStatus.SUCCEEDED, driver_agent_http_address="http://a",
+                                   start_time=submitted * 1000, message=None, driver_exit_code=0)
+
+        async def atail_logs(self, submission_id):
+            yield "first\nsec"
+            await asyncio.sleep(3600)  # Ray's stream, still open
+
+        async def alogs(self, submission_id):
+            return output
+
+    trigger = RayJobTrigger(submission_id="s", address="http://127.0.0.1:1", poll_interval=60.0)
+    monkeypatch.setattr(trigger, "_hook", Hook)
+
+    async def first_event():
+        agen = trigger.run()
+        try:
+            await asyncio.sleep(0.1)  # let the stream deliver its first chunk
+            return (await anext(agen)).payload
+        finally:
+            await agen.aclose()
+
+    with structlog.testing.capture_logs() as logs:
+        t0 = time.monotonic()
+        event = asyncio.run(asyncio.wait_for(first_event(), 5))
+        elapsed = time.monotonic() - t0
+    assert (event["status"], event["exit_code"]) == ("SUCCEEDED", 0) and elapsed < 3
+    assert event["log_tail"] == ["first", "second", "[rlk] exit-code 0"]
+    logged = [e["event"] for e in logs if e["log_level"] == "info"]
+    assert logged == ["first", "second", "[rlk] exit-code 0"]
+
+
 def test_job_asking_for_a_gpu_on_a_gpu_less_cluster_is_stopped(ray_address, wait_status):
     hook = RayJobHook(address=ray_address)
     sid = hook.submit("echo never", "trig-gpu", entrypoint_num_gpus=1)
