@@ -40,7 +40,7 @@ lock: $(PY)
 install: $(EXT_STAMP)
 
 test: install
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q --durations=25
 
 # The matrix DAG end to end on a local Ray head and a SQLite Airflow home under .state/.
 # WORKLOAD=default runs the runbook's workload instead of the ci one.
