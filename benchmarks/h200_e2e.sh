@@ -17,16 +17,19 @@ PRESET="${PRESET:-small}"
 
 # A strict R/R step of the model, bitwise required: run NAME GPUS TP CP [VAR=VALUE...]; FLAGS
 # holds further `rlk run` flags. The first run generates the model.
+model() {  # the PRESET model under $WORK/model, generated once
+  [[ -d "$WORK/model" ]] || step model 120 "${RLK[@]}" model init --preset "$PRESET" \
+    --out "$WORK/model"
+}
+
 run() {
   local name=$1 gpus=$2 tp=$3 cp=$4
   shift 4
   wanted "$name" || return 0
-  if [[ ! -d "$WORK/model" ]]; then
-    step model 120 "${RLK[@]}" model init --preset "$PRESET" --out "$WORK/model" || return 1
-  fi
+  model || return 1
   step "$name" 240 env CI_TEST=1 "$@" "${RLK[@]}" run --device "$DEVICE" \
     --model-root "$WORK/model" --tp "$tp" --cp "$cp" --actor-gpus "$gpus" \
-    --rollout-gpus "$gpus" --rollout-gpus-per-engine "$tp" --artifact-dir "$WORK/$name" $FLAGS
+    --rollout-gpus "$gpus" --rollout-gpus-per-engine "$tp" --artifact-dir "$WORK/$name" ${FLAGS:-}
   keep "$WORK/$name" "$name"
   pack
 }
@@ -35,7 +38,7 @@ prepare
 
 step ipc_tests 180 "$PY" -m pytest -q -x -p no:cacheprovider tests/distributed/test_cuda_ipc.py \
   tests/distributed/test_rank_order_sum_cuda.py
-step ipc_bench 180 "$PY" benchmarks/ipc_collectives.py --out "$OUT/ipc_collectives.json"
+step ipc_bench 180 "$PY" benchmarks/ipc_collectives.py --gpus 2 --out "$OUT/ipc_collectives.json"
 
 step attention_tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/ops/test_cuda_attention.py
 step attention_bench 300 "$PY" benchmarks/hopper_attention.py --out "$OUT/hopper_attention.json"
@@ -70,7 +73,7 @@ step megatron-rr-tp1-trace-gate 120 "${RLK[@]}" trace gate --trace "$WORK/megatr
   --device "$DEVICE" --world-size 1 --tp 1 --output "$OUT/megatron-rr-tp1-trace-gate.json"
 # Every route P: Megatron's stock modules, its DDP summing the gradients (the training readback
 # names it), the bits differing from the rollout's.
-if wanted megatron-pp-tp1; then
+if wanted megatron-pp-tp1 && model; then
   step megatron-pp-tp1 240 env CUDA_VISIBLE_DEVICES=0 RL_KERNEL_ATTENTION_CASE=P/P \
     RL_KERNEL_FFN_CASE=P/P RL_KERNEL_LOGP_CASE=P/P "${RLK[@]}" run --device "$DEVICE" \
     --trainer megatron --steps 2 --model-root "$WORK/model" --tp 1 --cp 1 --actor-gpus 1 \

@@ -11,6 +11,7 @@
 #   ipc-bench             benchmarks/ipc_collectives.py on the four GPUs
 #   step-time             benchmarks/step_time.py, R/R against P/P at that layout
 #   megatron-rr-small     the rr step with `--trainer megatron`
+#   megatron-pp-small     every route P under `--trainer megatron`: Megatron's DDP sums over CP
 # GPUS=8:
 #   gate-cp8, gate-tp2cp4, gate-tp2cp2x2   `rlk attention-gate --world-size 8` (the last: two
 #                         replicas of TP=2 x CP=2), both transports
@@ -24,7 +25,12 @@
 # GPU is a rank process; PRESETS="tiny" keeps the runs small there).
 cd "$(dirname "$0")/.."
 source benchmarks/gpu_steps.sh
-GPUS="${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}"
+# The GPUs this process may use (CUDA_VISIBLE_DEVICES counts), unless GPUS says.
+GPUS="${GPUS:-$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)}"
+if (( GPUS != 4 && GPUS != 8 )); then
+  echo "GPUS=$GPUS: this script runs the layouts of 4 or 8 GPUs; set GPUS=4 or GPUS=8" >&2
+  exit 2
+fi
 LAYOUT=(--tp 2 --cp 2 --actor-gpus "$GPUS" --rollout-gpus "$GPUS" --rollout-gpus-per-engine 2)
 
 model() {  # model PRESET: generates $WORK/model-PRESET once; PRESETS="tiny" stands in for all
@@ -71,14 +77,21 @@ if (( GPUS == 4 )); then
   step step-time 900 "$PY" benchmarks/step_time.py --model "${PRESETS:-small}" \
     --device "$DEVICE" --repeats 1 "${LAYOUT[@]}" --out "$OUT/step_time.json"
   FLAGS="--trainer megatron" rr megatron-rr-small small
-elif (( GPUS == 8 )); then
+  # Every route P: Megatron's DDP sums the gradients over the CP ranks (the readbacks name it).
+  if wanted megatron-pp-small; then
+    model small
+    step megatron-pp-small 900 env RL_KERNEL_ATTENTION_CASE=P/P RL_KERNEL_FFN_CASE=P/P \
+      RL_KERNEL_LOGP_CASE=P/P "${RLK[@]}" run --device "$DEVICE" --trainer megatron \
+      --model-root "$MODEL" "${LAYOUT[@]}" --steps 2 --artifact-dir "$WORK/megatron-pp-small"
+    keep "$WORK/megatron-pp-small" megatron-pp-small
+  fi
+else
   gate gate-cp8 1 8
   gate gate-tp2cp4 2 4
   gate gate-tp2cp2x2 2 2
   rr rr-medium-dp2 medium ROLLOUT_BATCH_SIZE=2 N_SAMPLES_PER_PROMPT=2
-else
-  echo "GPUS=$GPUS: this script runs the layouts of 4 or 8 GPUs" >&2
-  exit 2
 fi
 "$PY" benchmarks/multi_gpu_summary.py "$OUT" --gpus "$GPUS" --out "$OUT/summary.json"
+rc=$?
 pack
+exit $rc

@@ -129,8 +129,9 @@ def main() -> None:
     from rl_engine.engines.launch import launch
 
     world = args.gpus or torch.cuda.device_count()
-    if world < 2 or world > torch.cuda.device_count():
-        raise SystemExit(f"--gpus {world}: need 2 to {torch.cuda.device_count()} visible GPUs")
+    if world < 2 or world > torch.cuda.device_count() or world & (world - 1):
+        raise SystemExit(f"--gpus {world}: need a power of two from 2 to "
+                         f"{torch.cuda.device_count()} visible GPUs (the sizes are powers of two)")
     rows = launch(_rank, world, args=(args.repeats, args.iters), device="cuda", timeout=600)[0]
     for r in rows:
         print(f"{r['kind']:>15} {r['bytes']:>10} B  ipc {r['ipc_us']:9.2f} us "

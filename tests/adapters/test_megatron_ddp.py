@@ -1,8 +1,9 @@
-"""Gradient reduction of the Megatron-core trainer on a CUDA GPU: with every training route P the
+"""Gradient reduction of the Megatron-core trainer on CUDA GPUs: with every training route P the
 model is wrapped in Megatron's own DistributedDataParallel, whose reduced fp32 main grads are the
-plain fp32 sum, in micro-batch order, of the gradients each parameter received (DP x CP = 1 here);
-AdamW then follows the reference over three resident steps. With any route R, rl_engine's
-fixed-order reduction runs instead and there is no DDP."""
+plain fp32 sum, in micro-batch order, of the gradients each parameter received; AdamW then
+follows the reference over three resident steps. On two GPUs (CP=2) they are that sum added over
+the two ranks, a sum and not a mean, with the LM head (replicated over CP) counted once. With any
+route R, rl_engine's fixed-order reduction runs instead and there is no DDP."""
 
 from __future__ import annotations
 
@@ -82,3 +83,32 @@ def r_route_reduction(rank: int, world: int) -> dict:
 def test_an_r_route_keeps_the_fixed_order_reduction():
     (out,) = launch(r_route_reduction, 1, device="cuda", timeout=600)
     assert out == {"reduction": "rlkernel.fixed_order", "ddp": None, "main_grad": False}
+
+
+def ddp_over_cp(rank: int, world: int) -> dict:
+    """One step at CP=2: DDP's grads against this rank's tapped sums added over both ranks (two
+    terms: the same bits in either order), the head's from CP rank 0 alone."""
+    import torch.distributed as dist
+
+    from rl_engine.adapters.megatron.rank import MegatronTrainer
+
+    trainer = MegatronTrainer(CONFIG, STATE, PP, dataclasses.replace(CUDA_TRAIN, cp=2))
+    taps = tap_gradients(trainer)
+    trainer.step(SAMPLES)
+    differ = []
+    for name, grad in trainer.grads.items():
+        mine = taps[name]
+        if name == trainer.head_name and trainer.layout.cp_rank != 0:
+            mine = torch.zeros_like(mine)
+        dist.all_reduce(mine)
+        if not torch.equal(grad, mine):
+            differ.append(name)
+    return {"reduction": trainer.gradient_reduction(), "differ": differ,
+            "grads": len(trainer.grads)}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_ddp_over_two_cp_ranks_sums_and_counts_the_head_once():
+    for out in launch(ddp_over_cp, 2, device="cuda", timeout=600):
+        assert out["reduction"] == "production.megatron.ddp"
+        assert out["grads"] > 0 and out["differ"] == [], out["differ"]

@@ -1,6 +1,8 @@
 """benchmarks/multi_gpu_summary.py judges a multi-GPU evidence folder: a run passes only with a
 bitwise, complete verdict and a passing trace check that launched all three IPC collectives; a
-gate only with both transports passing; anything missing fails, so an empty folder never passes."""
+gate only with both transports passing and the replicas agreeing; a P/P Megatron run only when
+every training readback names Megatron's DDP; anything missing, or written by another commit,
+fails, so an empty or stale folder never passes."""
 
 from __future__ import annotations
 
@@ -71,7 +73,48 @@ def test_a_gate_needs_both_transports_passing(tmp_path):
     assert summary.gate_part(tmp_path, 4, 2, 2)["passed"]
 
 
-def test_ipc_needs_the_bitwise_check(tmp_path):
-    write(tmp_path / "ipc_collectives.json",
-          {"verdict": {"meets_64MiB": True, "meets_small": True, "bitwise": False}})
-    assert not summary.ipc_part(tmp_path)["passed"]
+def test_ipc_needs_the_bitwise_check_and_every_gpu(tmp_path):
+    verdict = {"meets_64MiB": True, "meets_small": True, "bitwise": True}
+    write(tmp_path / "ipc_collectives.json", {"world": 4, "verdict": verdict})
+    assert summary.ipc_part(tmp_path, 4)["passed"]
+    assert not summary.ipc_part(tmp_path, 8)["passed"]
+    write(tmp_path / "ipc_collectives.json", {"world": 4, "verdict": {**verdict, "bitwise": False}})
+    assert not summary.ipc_part(tmp_path, 4)["passed"]
+
+
+def test_replicas_that_disagree_or_say_nothing_fail_the_gate(tmp_path):
+    for t, agree in (("cuda_ag_rs", False), ("p2p_reference", True)):
+        write(tmp_path / "attention-gate" / f"attention-gate-cuda-w8-tp2-cp2-{t}-bf16.json",
+              {"transport": t, "passed": True, "replicas_agree": agree})
+    assert not summary.gate_part(tmp_path, 8, 2, 2)["passed"]
+    write(tmp_path / "attention-gate" / "attention-gate-cuda-w8-tp2-cp2-cuda_ag_rs-bf16.json",
+          {"transport": "cuda_ag_rs", "passed": True})
+    assert not summary.gate_part(tmp_path, 8, 2, 2)["passed"]
+
+
+def test_results_of_another_commit_are_stale(tmp_path):
+    bitwise_run(tmp_path, "rr")
+    write(tmp_path / "rr" / "manifest.json", {"source_commit": "aaa"})
+    assert summary.run_part(tmp_path, "rr", "aaa")["passed"]
+    part = summary.run_part(tmp_path, "rr", "bbb")
+    assert not part["passed"] and part["stale"]
+    gate(tmp_path, 4, 2, 2)
+    for f in (tmp_path / "attention-gate").iterdir():
+        write(f, {**json.loads(f.read_text()), "commit": "aaa"})
+    assert summary.gate_part(tmp_path, 4, 2, 2, "aaa")["passed"]
+    assert not summary.gate_part(tmp_path, 4, 2, 2, "bbb")["passed"]
+
+
+def test_a_pp_megatron_run_needs_ddp_on_every_rank(tmp_path):
+    run = tmp_path / "megatron-pp-small"
+    (run).mkdir()
+    (run / "exit-code").write_text("0\n")
+    write(run / "readbacks" / "megatron-training-rank0.json",
+          {"gradient_reduction": "production.megatron.ddp"})
+    write(run / "readbacks" / "megatron-training-rank1.json",
+          {"gradient_reduction": "production.all_reduce"})
+    assert not summary.ddp_part(tmp_path, "megatron-pp-small")["passed"]
+    write(run / "readbacks" / "megatron-training-rank1.json",
+          {"gradient_reduction": "production.megatron.ddp"})
+    part = summary.ddp_part(tmp_path, "megatron-pp-small")
+    assert part["passed"] and part["ranks"] == 2
