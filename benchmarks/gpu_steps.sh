@@ -49,6 +49,17 @@ keep() {  # keep RUN_DIR NAME: the run's JSON evidence and log, without its bulk
   cp -r "$run/readbacks" "$OUT/$name/" 2>/dev/null
 }
 
+model() {  # model PRESET: $MODEL is that preset's model, generated once under $WORK;
+  # PRESETS="tiny" (on a CPU) stands in for every preset
+  local preset=${PRESETS:-$1}
+  MODEL="$WORK/model-$preset"
+  [[ -d "$MODEL" ]] || step "model-$preset" 180 "${RLK[@]}" model init --preset "$preset" \
+    --out "$MODEL"
+}
+
+# The environment of a run with every route P.
+ALL_P=(RL_KERNEL_ATTENTION_CASE=P/P RL_KERNEL_FFN_CASE=P/P RL_KERNEL_LOGP_CASE=P/P)
+
 prepare() {  # the GPUs' names, the carried wheels, the sm_90a build
   nvidia-smi --query-gpu=name,memory.total --format=csv >"$OUT/gpus.csv" 2>&1
   if [[ -n "${WHEELS:-}" ]]; then

@@ -17,18 +17,13 @@ PRESET="${PRESET:-small}"
 
 # A strict R/R step of the model, bitwise required: run NAME GPUS TP CP [VAR=VALUE...]; FLAGS
 # holds further `rlk run` flags. The first run generates the model.
-model() {  # the PRESET model under $WORK/model, generated once
-  [[ -d "$WORK/model" ]] || step model 120 "${RLK[@]}" model init --preset "$PRESET" \
-    --out "$WORK/model"
-}
-
 run() {
   local name=$1 gpus=$2 tp=$3 cp=$4
   shift 4
   wanted "$name" || return 0
-  model || return 1
+  model "$PRESET" || return 1
   step "$name" 240 env CI_TEST=1 "$@" "${RLK[@]}" run --device "$DEVICE" \
-    --model-root "$WORK/model" --tp "$tp" --cp "$cp" --actor-gpus "$gpus" \
+    --model-root "$MODEL" --tp "$tp" --cp "$cp" --actor-gpus "$gpus" \
     --rollout-gpus "$gpus" --rollout-gpus-per-engine "$tp" --artifact-dir "$WORK/$name" ${FLAGS:-}
   keep "$WORK/$name" "$name"
   pack
@@ -73,11 +68,11 @@ step megatron-rr-tp1-trace-gate 120 "${RLK[@]}" trace gate --trace "$WORK/megatr
   --device "$DEVICE" --world-size 1 --tp 1 --output "$OUT/megatron-rr-tp1-trace-gate.json"
 # Every route P: Megatron's stock modules, its DDP summing the gradients (the training readback
 # names it), the bits differing from the rollout's.
-if wanted megatron-pp-tp1 && model; then
-  step megatron-pp-tp1 240 env CUDA_VISIBLE_DEVICES=0 RL_KERNEL_ATTENTION_CASE=P/P \
-    RL_KERNEL_FFN_CASE=P/P RL_KERNEL_LOGP_CASE=P/P "${RLK[@]}" run --device "$DEVICE" \
-    --trainer megatron --steps 2 --model-root "$WORK/model" --tp 1 --cp 1 --actor-gpus 1 \
-    --rollout-gpus 1 --rollout-gpus-per-engine 1 --artifact-dir "$WORK/megatron-pp-tp1"
+if wanted megatron-pp-tp1 && model "$PRESET"; then
+  step megatron-pp-tp1 240 env CUDA_VISIBLE_DEVICES=0 "${ALL_P[@]}" "${RLK[@]}" run \
+    --device "$DEVICE" --trainer megatron --steps 2 --model-root "$MODEL" --tp 1 --cp 1 \
+    --actor-gpus 1 --rollout-gpus 1 --rollout-gpus-per-engine 1 \
+    --artifact-dir "$WORK/megatron-pp-tp1"
   keep "$WORK/megatron-pp-tp1" megatron-pp-tp1
 fi
 step megatron-step-time 400 env CUDA_VISIBLE_DEVICES=0 "$PY" benchmarks/step_time.py \

@@ -33,13 +33,6 @@ if (( GPUS != 4 && GPUS != 8 )); then
 fi
 LAYOUT=(--tp 2 --cp 2 --actor-gpus "$GPUS" --rollout-gpus "$GPUS" --rollout-gpus-per-engine 2)
 
-model() {  # model PRESET: generates $WORK/model-PRESET once; PRESETS="tiny" stands in for all
-  local preset=${PRESETS:-$1}
-  MODEL="$WORK/model-$preset"
-  [[ -d "$MODEL" ]] || step "model-$preset" 180 "${RLK[@]}" model init --preset "$preset" \
-    --out "$MODEL"
-}
-
 rr() {  # rr NAME PRESET [VAR=VALUE...]: a strict R/R run at the layout, then its trace check
   local name=$1 preset=$2
   shift 2
@@ -80,9 +73,9 @@ if (( GPUS == 4 )); then
   # Every route P: Megatron's DDP sums the gradients over the CP ranks (the readbacks name it).
   if wanted megatron-pp-small; then
     model small
-    step megatron-pp-small 900 env RL_KERNEL_ATTENTION_CASE=P/P RL_KERNEL_FFN_CASE=P/P \
-      RL_KERNEL_LOGP_CASE=P/P "${RLK[@]}" run --device "$DEVICE" --trainer megatron \
-      --model-root "$MODEL" "${LAYOUT[@]}" --steps 2 --artifact-dir "$WORK/megatron-pp-small"
+    step megatron-pp-small 900 env "${ALL_P[@]}" "${RLK[@]}" run --device "$DEVICE" \
+      --trainer megatron --model-root "$MODEL" "${LAYOUT[@]}" --steps 2 \
+      --artifact-dir "$WORK/megatron-pp-small"
     keep "$WORK/megatron-pp-small" megatron-pp-small
   fi
 else

@@ -68,10 +68,9 @@ def _epoch(iso: str | None) -> float | None:
     return datetime.fromisoformat(iso).timestamp() if iso else None
 
 
-def parts(dag_run, report: dict, head) -> dict[str, dict[str, float | None]]:
-    """Per cell, its overhead split at the Ray job's submission and end (see the docstring)."""
-    from airflow.models.taskinstance import TaskInstance
-    from airflow.utils.session import create_session
+def parts(tasks: list[dict], report: dict, head) -> dict[str, dict[str, float | None]]:
+    """Per cell, its overhead split at the Ray job's submission and end (see the docstring), from
+    the cells' task rows (`demo.overheads`) and the head's jobs."""
     from ray.job_submission import JobSubmissionClient
 
     jobs: dict[str, object] = {}
@@ -82,27 +81,19 @@ def parts(dag_run, report: dict, head) -> dict[str, dict[str, float | None]]:
                 jobs[word.removeprefix("--case=")] = job  # the last try of the cell
     latest = {c["cell"]: c["latest"] for c in report["cells"]}
     out: dict[str, dict[str, float | None]] = {}
-    with create_session() as session:
-        for ti in session.query(TaskInstance).filter(TaskInstance.dag_id == demo_dag_id(),
-                                                     TaskInstance.run_id == dag_run.run_id):
-            cell = "control" if ti.task_id == "control" else ti.rendered_map_index
-            job, row = jobs.get(cell), latest.get(cell) or {}
-            if ti.task_id not in ("control", "cell") or job is None or not ti.end_date:
-                continue
-            marks = [ti.start_date.timestamp(), job.start_time / 1000.0,
-                     _epoch(row.get("started_at")), _epoch(row.get("finished_at")),
-                     (job.end_time or 0) / 1000.0 or None, ti.end_date.timestamp()]
-            spans = [None if a is None or b is None else round(b - a, 3)
-                     for a, b in ((marks[0], marks[1]), (marks[1], marks[2]),
-                                  (marks[3], marks[4]), (marks[4], marks[5]))]
-            out[cell] = dict(zip(PARTS, spans))
+    for task in tasks:
+        cell = task["cell"]
+        job, row = jobs.get(cell), latest.get(cell) or {}
+        if job is None:
+            continue
+        marks = [task["task_start"], job.start_time / 1000.0,
+                 _epoch(row.get("started_at")), _epoch(row.get("finished_at")),
+                 (job.end_time or 0) / 1000.0 or None, task["task_end"]]
+        spans = [None if a is None or b is None else round(b - a, 3)
+                 for a, b in ((marks[0], marks[1]), (marks[1], marks[2]),
+                              (marks[3], marks[4]), (marks[4], marks[5]))]
+        out[cell] = dict(zip(PARTS, spans))
     return out
-
-
-def demo_dag_id() -> str:
-    from rl_engine.stack import demo
-
-    return demo.DAG_ID
 
 
 def startup_s(repeats: int = 3) -> dict[str, float]:
@@ -153,10 +144,11 @@ def through_dag(workload: str, base: Path) -> dict:
         wall = time.monotonic() - t0
         root = demo.matrix_root_of(dag_run.run_id)
         report = json.loads(MatrixRoot(root).report.read_text())
-        split = parts(dag_run, report, head)
+        tasks = demo.overheads(dag_run, report)
+        split = parts(tasks, report, head)
         rows = [{"cell": r["cell"], "task_s": r["task_s"], "own_s": r["cell_s"],
                  "overhead_s": r["overhead_s"], **split.get(r["cell"], dict.fromkeys(PARTS))}
-                for r in demo.overheads(dag_run, report)]
+                for r in tasks]
         span = None
         if dag_run.start_date and dag_run.end_date:
             span = round((dag_run.end_date - dag_run.start_date).total_seconds(), 3)
@@ -181,7 +173,8 @@ def main() -> int:
     os.environ.update(RLK_STATE_DIR=env["RLK_STATE_DIR"])
     src = provenance.source()
     result: dict = {
-        "schema_version": SCHEMA_VERSION, "benchmark": "matrix_time", "workload": args.workload, "cells": CELLS,
+        "schema_version": SCHEMA_VERSION, "benchmark": "matrix_time", "workload": args.workload,
+        "cells": CELLS,
         "commit": src["commit"], "dirty": src["dirty"],
         "targets": {"overhead_per_cell_s": TARGET_OVERHEAD_S, "dag_matrix_s": TARGET_DAG_S},
         "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version(),

@@ -11,10 +11,11 @@ every part passed, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
+
+from rl_engine.artifacts import files, provenance
 
 IPC_FAMILIES = ("ipc_all_gather", "ipc_all_reduce", "ipc_reduce_scatter")
 # What each layout's script runs: run directories (each with a trace check), attention gates.
@@ -28,8 +29,9 @@ DDP = "production.megatron.ddp"
 
 
 def _load(path: Path) -> dict[str, Any] | None:
+    """The JSON file, or None where its step wrote none (or half of one)."""
     try:
-        return json.loads(path.read_text())
+        return files.read_json(path)
     except (OSError, ValueError):
         return None
 
@@ -150,9 +152,6 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, required=True, choices=sorted(EXPECTED))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from rl_engine.artifacts import files, provenance
-
     src = provenance.source()
     summary = {"commit": src["commit"], "dirty": src["dirty"],
                **summarise(args.folder, args.gpus, src["commit"])}

@@ -299,7 +299,7 @@ class RayJobTrigger(BaseTrigger):
                 return self._event(str(info.status), info), started
             pending = str(info.status) == "PENDING"
             if (pending or (self.cluster_needs and not checked)) \
-                    and self._pending_for(info) >= self.pending_timeout:
+                    and self._age(info) >= self.pending_timeout:
                 # A running driver already has its own reservation: only the needs are left.
                 missing = await self._missing(hook, self.request() if pending else self.cluster_needs)
                 if missing:
@@ -309,7 +309,7 @@ class RayJobTrigger(BaseTrigger):
                     warned = True
                     self.log.warning("job %s pending for over %.0fs; it fits the cluster, so it "
                                      "waits", self.submission_id, self.pending_timeout)
-            await self._pause(stream, lines, self._pending_for(info))
+            await self._pause(stream, lines, self._age(info))
 
     async def _missing(self, hook: RayJobHook, request: dict[str, float]) -> str | None:
         """What the cluster lacks for ``request``, ``None`` if it fits, ``""`` if unknown just now."""
@@ -333,8 +333,9 @@ class RayJobTrigger(BaseTrigger):
         return self._event("STOPPED", info, reason)
 
     @staticmethod
-    def _pending_for(info) -> float:
-        # start_time is the submission time (ms): the clock survives triggerer restarts.
+    def _age(info) -> float:
+        """Seconds since the job's submission (how long it has been pending, while it is).
+        start_time is the submission time (ms): the clock survives triggerer restarts."""
         return time.time() - info.start_time / 1000.0 if info.start_time else 0.0
 
     def request(self) -> dict[str, float]:

@@ -86,7 +86,8 @@ def matrix_root_of(run_id: str) -> Path:
 
 def overheads(dag_run, report: dict[str, Any]) -> list[dict[str, Any]]:
     """Per cell: the Airflow task's wall time, the cell's own `rlk run` time (from the report), and
-    their difference, the cost of Airflow + Ray (submission, scheduling, job start, log streaming)."""
+    their difference, the cost of Airflow + Ray (submission, scheduling, job start, log streaming);
+    the task's start and end (epoch seconds) for a finer split."""
     from airflow.models.taskinstance import TaskInstance
     from airflow.utils.session import create_session
 
@@ -102,7 +103,9 @@ def overheads(dag_run, report: dict[str, Any]) -> list[dict[str, Any]]:
             task_s = (ti.end_date - ti.start_date).total_seconds()
             cell_s = own.get(cell)
             rows.append({"cell": cell, "task_s": round(task_s, 3), "cell_s": cell_s,
-                         "overhead_s": None if cell_s is None else round(task_s - cell_s, 3)})
+                         "overhead_s": None if cell_s is None else round(task_s - cell_s, 3),
+                         "task_start": ti.start_date.timestamp(),
+                         "task_end": ti.end_date.timestamp()})
     return sorted(rows, key=lambda r: str(r["cell"]))
 
 

@@ -36,16 +36,22 @@ def snapshot(trainer: Trainer) -> dict:
             "steps": trainer.steps}
 
 
-def three_steps(rank: int, world: int, trainer_cls: type = Trainer) -> list[dict]:
-    """One trainer object kept for the whole run, as a resident rank keeps it."""
-    trainer = trainer_cls(CONFIG, STATE, Plan(), TRAIN)
+def steps_of(trainer: Trainer, on_step=None) -> list[dict]:
+    """Snapshots of one trainer object kept for STEPS steps, as a resident rank keeps it;
+    on_step(trainer, result) runs after each step."""
     out = [snapshot(trainer)]
     for _ in range(STEPS):
         forward_only = trainer.logprobs(SAMPLES)
         result = trainer.step(SAMPLES)
+        if on_step is not None:
+            on_step(trainer, result)
         out.append({**snapshot(trainer), "grads": {n: g.clone() for n, g in trainer.grads.items()},
                     "same_logps": all(torch.equal(a, b) for a, b in zip(forward_only, result.logps))})
     return out
+
+
+def three_steps(rank: int, world: int, trainer_cls: type = Trainer) -> list[dict]:
+    return steps_of(trainer_cls(CONFIG, STATE, Plan(), TRAIN))
 
 
 def check_adamw_over_steps(snaps: list[dict]) -> None:

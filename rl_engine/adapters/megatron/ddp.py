@@ -31,11 +31,11 @@ def wrap(model: nn.Module) -> nn.Module:
 
 
 def sum_over_dp_cp(ddp: nn.Module, params: dict[str, nn.Parameter],
-                   main: dict[str, torch.Tensor], *, counted_once: tuple[str, ...] = ()) -> None:
+                   main: dict[str, torch.Tensor], *, skip: tuple[str, ...] = ()) -> None:
     """Sums the accumulated main grads over DP x CP into `main` (fp32, copies) and zeroes the
-    buffers for the next step. `counted_once` names parameters whose gradient is the same on
-    every CP rank (the LM head runs on rows gathered over CP): this rank adds nothing for them."""
-    for name in counted_once:
+    buffers for the next step. `skip` names parameters this rank adds nothing for (the trainer's
+    `_not_counted_here`)."""
+    for name in skip:
         params[name].main_grad.zero_()
     ddp.finish_grad_sync()
     for name, p in params.items():

@@ -72,8 +72,7 @@ class MegatronTrainer(Trainer):
     def _reduce(self, main: dict[str, torch.Tensor]) -> None:
         if self.ddp is None:
             return super()._reduce(main)
-        ddp.sum_over_dp_cp(self.ddp, self.params, main,
-                           counted_once=() if self.layout.cp_rank == 0 else (self.head_name,))
+        ddp.sum_over_dp_cp(self.ddp, self.params, main, skip=self._not_counted_here())
         self._sum_qk_norms_over_tp(main)
 
     def full_state_dict(self, which: str = "weights") -> dict[str, torch.Tensor]:

@@ -178,12 +178,17 @@ class Trainer:
         """What sums the gradients over CP x DP (recorded in every readback)."""
         return "rlkernel.fixed_order" if self.router.any_r() else "production.all_reduce"
 
+    def _not_counted_here(self) -> tuple[str, ...]:
+        """Parameters whose gradient this rank leaves out of the sum: the LM head runs on rows
+        gathered over CP, so its gradient is the same on every CP rank and is counted on CP rank 0
+        only."""
+        return () if self.layout.cp_rank == 0 else (self.head_name,)
+
     def _accumulate(self, main: dict[str, torch.Tensor]) -> None:
         """Adds this micro-batch's parameter gradients to the fp32 main grads."""
+        skip = self._not_counted_here()
         for n, p in self.params.items():
-            # The LM head runs on rows gathered over CP, so its gradient is the same on every CP
-            # rank: counted once.
-            if p.grad is not None and not (n == self.head_name and self.layout.cp_rank != 0):
+            if p.grad is not None and n not in skip:
                 main[n] += p.grad.float()
             p.grad = None
 
