@@ -23,9 +23,13 @@ def check_id(value: str, what: str = "run id") -> str:
 
 
 def new_attempt_id(now: datetime | None = None) -> str:
-    """`<UTC yyyymmddTHHMMSSZ>-<6 hex>`."""
+    """`<UTC yyyymmddTHHMMSSZ>-<6 hex>`: the microseconds in five hex digits, then one random one.
+
+    The microseconds keep two attempts started within one second in the order they were made (a
+    resumed cell's new attempt often starts in the second its killed one did); the random digit
+    keeps ids of separate processes apart."""
     now = now or datetime.now(timezone.utc)
-    return f"{now.strftime('%Y%m%dT%H%M%SZ')}-{secrets.token_hex(3)}"
+    return f"{now.strftime('%Y%m%dT%H%M%SZ')}-{now.microsecond:05x}{secrets.token_hex(1)[0]}"
 
 
 def sanitize(value: str) -> str:

@@ -79,6 +79,11 @@ def test_attempt_ids_sort_by_time():
     a = ids.new_attempt_id(datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc))
     b = ids.new_attempt_id(datetime(2026, 1, 2, 3, 4, 6, tzinfo=timezone.utc))
     assert a.startswith("20260102T030405Z-") and len(a.split("-")[1]) == 6 and a < b
+    # Within one second the microseconds order them, whatever the random digit.
+    c = ids.new_attempt_id(datetime(2026, 1, 2, 3, 4, 5, 999, tzinfo=timezone.utc))
+    d = ids.new_attempt_id(datetime(2026, 1, 2, 3, 4, 5, 1000, tzinfo=timezone.utc))
+    late = ids.new_attempt_id(datetime(2026, 1, 2, 3, 4, 5, 999_999, tzinfo=timezone.utc))
+    assert a < c < d < late < b
 
 
 def test_a_run_directory_is_never_reused(tmp_path):
