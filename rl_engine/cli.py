@@ -176,11 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]error[/] ({type(exc).__name__}): {exc}", highlight=False)
     else:
         code = result if isinstance(result, int) else 0
-    if argv is None and code in (errors.OK, errors.PARITY_FAILURE) \
-            and "rl_engine.engines.launch" in sys.modules:
-        sys.modules["rl_engine.engines.launch"].leave_ray()
     print(f"{errors.MARKER} {code}", file=sys.stderr)
     if argv is None:
+        if code in (errors.OK, errors.PARITY_FAILURE) and "rl_engine.engines.launch" in sys.modules:
+            sys.modules["rl_engine.engines.launch"].leave_ray()
         _exit(code)
     return code
 

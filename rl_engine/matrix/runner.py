@@ -18,7 +18,6 @@ one that did not pass).
 from __future__ import annotations
 
 import fcntl
-import functools
 import os
 import signal
 import subprocess
@@ -153,22 +152,15 @@ def cell_lock(root: Path, cell: str, out: TextIO) -> Iterator[int]:
         os.close(fd)
 
 
-# What judging a finished cell imports (torch reads its train data, pyarrow writes the tables):
-# about 1.5 s of CPU on a small machine, which would otherwise follow every cell.
+# What judging a finished cell imports (torch reads its train data, pyarrow writes the tables),
+# about 1.5 s on a small CPU.
 ANALYSIS_MODULES = ("torch", "pyarrow.parquet", "rl_engine.matrix.tables")
-_LOWEST_PRIORITY = 19
+_MARKER = errors.MARKER.encode()
 
 
 def _import_analysis() -> None:
-    """Loads ANALYSIS_MODULES while the cell runs and the runner only waits. The thread runs at the
-    lowest CPU priority (nice is per thread on Linux), so it takes the cycles the cell leaves and
-    the cell's own time does not grow; once the cell has exited it has the CPU to itself."""
     import importlib
 
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _LOWEST_PRIORITY)
-    except (AttributeError, OSError):
-        pass
     for name in ANALYSIS_MODULES:
         try:
             importlib.import_module(name)
@@ -176,19 +168,19 @@ def _import_analysis() -> None:
             return
 
 
-@functools.cache
-def _start_loading_analysis() -> None:
-    threading.Thread(target=_import_analysis, daemon=True, name="import-analysis").start()
-
-
 def _pump(stream, console: Path, out: TextIO, prefix: str) -> None:
-    """Copy the cell's output to console.log and ours."""
+    """Copy the cell's output to console.log and ours. The run's last line, its exit-code marker,
+    says it is exiting (which takes it a second with the Ray launcher, while its Ray connection
+    closes): the analysis' imports are loaded then, while the runner would only wait, rather than
+    after the run has exited."""
     with open(console, "ab") as fh:
         for line in iter(stream.readline, b""):
             fh.write(line)
             fh.flush()
             out.write(prefix + line.decode("utf-8", "replace"))
             out.flush()
+            if line.startswith(_MARKER):
+                threading.Thread(target=_import_analysis, daemon=True, name="import-analysis").start()
 
 
 def case_env(mid: str, cell: str, attempt_id: str, workload: str, config, *,
@@ -242,7 +234,6 @@ def run_cell(m: MatrixRun, cell: str, mid: str, config, lock_fd: int | None = No
     try:
         if m.on_start is not None:
             m.on_start(cell, folder, proc)
-        _start_loading_analysis()
         try:
             code = proc.wait(timeout=m.cell_timeout)
         except subprocess.TimeoutExpired:
