@@ -178,14 +178,12 @@ def main(argv: list[str] | None = None) -> int:
         code = result if isinstance(result, int) else 0
     print(f"{errors.MARKER} {code}", file=sys.stderr)
     if argv is None:
-        if code in (errors.OK, errors.PARITY_FAILURE) and "rl_engine.engines.launch" in sys.modules:
-            sys.modules["rl_engine.engines.launch"].leave_ray()
         _exit(code)
     return code
 
 
 def _exit(code: int) -> None:
-    """The `rlk` process's end: threads, exit handlers (Ray's, multiprocessing's, logging's) and
+    """The `rlk` process's end: threads, exit handlers (the Ray launcher's, multiprocessing's, logging's) and
     buffered output finish as in any exit, then the process ends without the interpreter's
     teardown. With torch loaded that teardown takes about 0.15 s on a small CPU (its garbage
     collections 0.5 s more) only to free memory the exit frees anyway, and a matrix cell pays it

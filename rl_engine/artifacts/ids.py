@@ -29,7 +29,7 @@ def new_attempt_id(now: datetime | None = None) -> str:
     resumed cell's new attempt often starts in the second its killed one did); the random digit
     keeps ids of separate processes apart."""
     now = now or datetime.now(timezone.utc)
-    return f"{now.strftime('%Y%m%dT%H%M%SZ')}-{now.microsecond:05x}{secrets.token_hex(1)[0]}"
+    return f"{now.strftime('%Y%m%dT%H%M%SZ')}-{now.microsecond:05x}{secrets.randbelow(16):x}"
 
 
 def sanitize(value: str) -> str:

@@ -18,6 +18,7 @@ placement group (a GPU per bundle on CUDA); they and the group live exactly as l
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import multiprocessing as mp
 import os
@@ -289,15 +290,17 @@ def _join(address: str) -> None:
     import ray
 
     ray.init(address=address, log_to_driver=True)
+    atexit.register(_leave_ray)
 
 
-def leave_ray() -> None:
-    """Disconnects this driver from Ray, if it joined. Ray's exit hook does the same but first
-    sleeps 0.5 s so that the workers' last log lines arrive: after a run whose ranks were all
-    released that wait only delays every matrix cell. After a failure the hook's wait is kept,
-    for a failing rank's last words; call this only after a run that ended with a verdict."""
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
+def _leave_ray() -> None:
+    """Disconnects this driver at exit. Registered after ray.init, so it runs before Ray's own exit
+    hook (handlers run last-registered first), which sleeps 0.5 s before disconnecting so that the
+    workers' last log lines arrive. That wait is kept while any rank group of this process did not
+    close cleanly (a failing rank's last words); otherwise it only delays every matrix cell."""
+    import ray
+
+    if _Ray.unsettled == 0 and ray.is_initialized():
         ray.shutdown()
 
 
@@ -360,9 +363,13 @@ def actor_options(pg, bundle: int, gpus_per_rank: float, device: str) -> dict[st
 
 
 class _Ray:
+    # Groups of this process that started and have not closed cleanly (see _leave_ray).
+    unsettled = 0
+
     def __init__(self, factory, world: int, args: tuple, device: str, name: str):
         if "ray" not in sys.modules or not sys.modules["ray"].is_initialized():
             _join(cluster_address())  # before any ray import of ours: see _join
+        _Ray.unsettled += 1
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
         from ray.util.placement_group import placement_group
@@ -431,6 +438,8 @@ class _Ray:
             for a in self.actors:
                 ray.kill(a, no_restart=True)
             remove_placement_group(self.pg)
+            if not failed:
+                _Ray.unsettled -= 1
 
 
 # -- the group ------------------------------------------------------------------------------------

@@ -167,3 +167,37 @@ def test_cuda_ranks_see_every_gpu_and_know_their_own():
     views = json.loads(lines[-1].removeprefix("RESULT "))
     assert [visible for visible, _ in views] == [None, None]
     assert sorted(ids[0] for _, ids in views) == [0, 1]
+
+
+# A stand-in for ray: it registers its exit hook when imported, as ray does, and says whether that
+# hook found the driver still connected (and so would wait 0.5 s for late worker logs).
+FAKE_RAY_DRIVER = r'''
+import atexit, sys, types
+ray = types.ModuleType("ray")
+ray.connected = False
+ray.init = lambda **_: setattr(ray, "connected", True)
+ray.is_initialized = lambda: ray.connected
+def shutdown():
+    print("left at once", flush=True)
+    ray.connected = False
+ray.shutdown = shutdown
+atexit.register(lambda: print("ray's hook waited" if ray.connected else "ray's hook: gone", flush=True))
+sys.modules["ray"] = ray
+from rl_engine.engines import launch
+launch._join("auto")
+launch._Ray.unsettled = int(sys.argv[1])
+'''
+
+
+@pytest.mark.parametrize("unsettled, lines", [(0, ["left at once", "ray's hook: gone"]),
+                                              (1, ["ray's hook waited"])])
+def test_the_driver_leaves_ray_before_its_exit_wait_only_when_every_group_closed_cleanly(
+        tmp_path, unsettled, lines):
+    """Ray's exit hook waits 0.5 s for the workers' last log lines before it disconnects. The
+    launcher disconnects first, from a hook of its own that runs before Ray's, when every rank
+    group of the process closed cleanly; while one did not (a failing rank's last words), Ray's
+    wait is kept."""
+    done = subprocess.run([sys.executable, "-c", FAKE_RAY_DRIVER, str(unsettled)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == lines
