@@ -3,15 +3,17 @@
 Two log-probs are equal when their bits are equal, so -0.0 differs from 0.0 and a NaN equals only
 the same NaN. A non-finite value on either side is counted apart (it fails a run whatever its
 bits), and `max_abs_diff` is taken over the pairs where both sides are finite.
+
+It works on numpy arrays, so that judging a run needs no torch (see `artifacts.torchfile`); a
+step's torch tensors are viewed as numpy arrays, which changes no bit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:  # torch loads with the first comparison, not with the verdict's modules
-    import torch
+import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,22 +22,27 @@ class Comparison:
     mismatch_count: int
     nonfinite_count: int
     max_abs_diff: float
-    differs: torch.Tensor       # bool, True where the bits differ
-    abs_diff: torch.Tensor      # |rollout - trainer|, 0 where either side is not finite
+    differs: np.ndarray       # bool, True where the bits differ
+    abs_diff: np.ndarray      # |rollout - trainer|, 0 where either side is not finite
 
 
-def compare(rollout: torch.Tensor, trainer: torch.Tensor) -> Comparison:
-    import torch
+def _array(x: Any) -> np.ndarray:
+    if hasattr(x, "detach"):  # a torch tensor, on any device
+        x = x.detach().cpu().numpy()
+    return np.ascontiguousarray(x)
 
-    if rollout.dtype != torch.float32 or trainer.dtype != torch.float32:
-        raise ValueError(f"log-probs must be float32, got {rollout.dtype} and {trainer.dtype}")
-    if rollout.shape != trainer.shape:
-        raise ValueError(f"rollout {tuple(rollout.shape)} and trainer {tuple(trainer.shape)} differ in shape")
-    ro, tr = rollout.detach().cpu().contiguous(), trainer.detach().cpu().contiguous()
-    differs = ro.view(torch.int32) != tr.view(torch.int32)
-    finite = torch.isfinite(ro) & torch.isfinite(tr)
-    abs_diff = torch.where(finite, (ro - tr).abs(), torch.zeros_like(ro))
-    return Comparison(numel=ro.numel(), mismatch_count=int(differs.sum()),
+
+def compare(rollout: Any, trainer: Any) -> Comparison:
+    ro, tr = _array(rollout), _array(trainer)
+    if ro.dtype != np.float32 or tr.dtype != np.float32:
+        raise ValueError(f"log-probs must be float32, got {ro.dtype} and {tr.dtype}")
+    if ro.shape != tr.shape:
+        raise ValueError(f"rollout {tuple(ro.shape)} and trainer {tuple(tr.shape)} differ in shape")
+    differs = ro.view(np.int32) != tr.view(np.int32)
+    finite = np.isfinite(ro) & np.isfinite(tr)
+    with np.errstate(invalid="ignore", over="ignore"):
+        abs_diff = np.where(finite, np.abs(ro - tr), np.float32(0.0)).astype(np.float32)
+    return Comparison(numel=int(ro.size), mismatch_count=int(differs.sum()),
                       nonfinite_count=int((~finite).sum()),
-                      max_abs_diff=float(abs_diff.max()) if abs_diff.numel() else 0.0,
+                      max_abs_diff=float(abs_diff.max()) if abs_diff.size else 0.0,
                       differs=differs, abs_diff=abs_diff)

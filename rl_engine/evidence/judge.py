@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from rl_engine import errors
 from rl_engine.artifacts import files
 from rl_engine.evidence import layout, records
@@ -238,7 +240,7 @@ def _train_data(run: layout.RunDir, run_id, steps: int, problems: list[str]) -> 
             target["max_abs_diff"] = max(target["max_abs_diff"], c.max_abs_diff)
         ro, tr, positions, samples = (d["rollout_logprobs"], d["trainer_logprobs"], d["positions"],
                                       d["sample_ids"])
-        for s, t in c.differs.nonzero().tolist():
+        for s, t in np.argwhere(c.differs).tolist():
             key = (step, int(positions[s, t]), int(samples[s]))
             if out["first"] is None or key < out["first"][0]:
                 out["first"] = (key, float(ro[s, t]), float(tr[s, t]))

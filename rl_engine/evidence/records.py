@@ -169,8 +169,11 @@ def write_train_data(run: layout.RunDir, *, run_id: str, step: int, rank: int,
 
 
 def read_train_data(run: layout.RunDir, problems: list[str]) -> list[dict[str, Any]]:
-    """Every train-data file that loads and has consistent shapes, with `_file`."""
-    import torch
+    """Every train-data file that loads and has consistent shapes, with `_file`; its tensors as
+    numpy arrays (read without torch, see `artifacts.torchfile`)."""
+    import numpy as np
+
+    from rl_engine.artifacts import torchfile
 
     out = []
     paths = sorted(run.train_data.glob("*")) if run.train_data.is_dir() else []
@@ -179,11 +182,11 @@ def read_train_data(run: layout.RunDir, problems: list[str]) -> list[dict[str, A
             problems.append(f"train data {path.name} is not named <rollout-id>.rank<r>.pt")
             continue
         try:
-            d = torch.load(path, weights_only=True)
+            d = torchfile.load(path)
             ro, tr = d["rollout_logprobs"], d["trainer_logprobs"]
-            if ro.dtype != torch.float32 or tr.dtype != torch.float32:
+            if ro.dtype != np.float32 or tr.dtype != np.float32:
                 raise ValueError(f"log-probs are {ro.dtype} / {tr.dtype}, not float32")
-            if ro.dim() != 2 or ro.shape != tr.shape or d["positions"].shape != ro.shape \
+            if ro.ndim != 2 or ro.shape != tr.shape or d["positions"].shape != ro.shape \
                     or d["sample_ids"].shape != ro.shape[:1]:
                 raise ValueError(f"shapes rollout {tuple(ro.shape)}, trainer {tuple(tr.shape)}, "
                                  f"positions {tuple(d['positions'].shape)}, "

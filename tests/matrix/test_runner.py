@@ -191,10 +191,10 @@ def in_new_python(code: str, *args: str) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-def test_a_cell_starts_before_the_runner_imports_torch(tmp_path, clean_env):
-    """`rlk matrix run --case X` (a DAG job) spends nothing on torch before its cell starts: the
-    cell's own `rlk run` imports it, and the runner only for judging the cell afterwards (about
-    1.5 s each on a 2-core machine)."""
+def test_the_runner_never_imports_torch(tmp_path, clean_env):
+    """`rlk matrix run --case X` (a DAG job) spends nothing on torch (about 1.5 s on a 2-core
+    machine), before its cell starts or after: the cell's own `rlk run` imports it, and the runner
+    judges the cell's train data with numpy."""
     code = """
 import json, sys
 from pathlib import Path
@@ -204,16 +204,18 @@ seen = {}
 m = runner.MatrixRun(root=Path(sys.argv[2]), cells=["ffn-PR"], workload="ci",
                      on_start=lambda cell, folder, proc: seen.setdefault(cell, "torch" in sys.modules))
 code, report = runner.run(m)
-print(json.dumps({"at_cell_start": seen["ffn-PR"], "code": code}))
+cell = next(c for c in report["cells"] if c["cell"] == "ffn-PR")
+print(json.dumps({"at_cell_start": seen["ffn-PR"], "after": "torch" in sys.modules, "code": code,
+                  "numel": cell["latest"]["numel"]}))
 """
     out = json.loads(in_new_python(code, str(FAKE), str(tmp_path / "m")))
-    assert out == {"at_cell_start": False, "code": 0}
+    assert out == {"at_cell_start": False, "after": False, "code": 0, "numel": CELLS_OF_CI}
 
 
 def test_the_runner_loads_what_the_analysis_needs_while_a_cell_exits(tmp_path, clean_env):
     """A cell's `rlk run` prints its exit-code marker as its last line, then exits (a second with
-    the Ray launcher, while its Ray connection closes); the runner imports torch for judging the
-    cell in that time rather than after the run has exited."""
+    the Ray launcher, while its Ray connection closes); the runner imports what judging the cell
+    needs (pyarrow, for the tables) in that time rather than after the run has exited."""
     slow_exit = tmp_path / "slow_exit.py"
     slow_exit.write_text(f"""
 import os, runpy, sys, time
@@ -235,7 +237,7 @@ os.environ["EXITED_AT"] = str(exited)
 runner.RLK_COMMAND = (sys.executable, sys.argv[1])
 seen = []
 def watch():
-    while "torch" not in sys.modules:
+    while "pyarrow.parquet" not in sys.modules:
         time.sleep(0.02)
     seen.append(time.time())
 threading.Thread(target=watch, daemon=True).start()

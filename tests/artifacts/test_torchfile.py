@@ -1,0 +1,76 @@
+"""The torch-free reader of `torch.save` files: it gives back what `torch.load` gives, bit for bit,
+as numpy arrays, refuses what a weights-only load refuses, and judging a run needs no torch."""
+
+from __future__ import annotations
+
+import collections
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from rl_engine.artifacts import torchfile
+from rl_engine.runtime.plan import Plan
+from fixtures import fake_run
+
+
+def _same(array: np.ndarray, tensor: torch.Tensor) -> bool:
+    return array.dtype == tensor.numpy().dtype and array.shape == tuple(tensor.shape) \
+        and array.tobytes() == tensor.contiguous().numpy().tobytes()
+
+
+def test_every_tensor_comes_back_with_its_bits_dtype_and_shape(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 7, generator=g)
+    special = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-45])
+    obj = {
+        "run_id": "r-1", "step": 3, "nested": [{"x": torch.arange(5)}, (1.5, None)],
+        "float32": base, "special": special, "float64": base.double(), "float16": base.half(),
+        "int64": torch.arange(-5, 7).view(3, 4), "int32": torch.arange(4, dtype=torch.int32),
+        "int16": torch.arange(4, dtype=torch.int16), "int8": torch.arange(-2, 2, dtype=torch.int8),
+        "uint8": torch.arange(250, 254, dtype=torch.uint8), "bool": torch.tensor([True, False]),
+        "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4),
+        "strided": base[1:5:2, 2:], "transposed": base.t(), "shares_storage": base[2],
+        "ordered": collections.OrderedDict(a=torch.ones(2)),
+    }
+    torch.save(obj, tmp_path / "t.pt")
+    got = torchfile.load(tmp_path / "t.pt")
+    want = torch.load(tmp_path / "t.pt", weights_only=True)
+    assert got.keys() == want.keys()
+    assert (got["run_id"], got["step"], got["nested"][1]) == ("r-1", 3, (1.5, None))
+    assert _same(got["nested"][0]["x"], want["nested"][0]["x"])
+    assert isinstance(got["ordered"], collections.OrderedDict) and _same(got["ordered"]["a"], want["ordered"]["a"])
+    for key in ("float32", "special", "float64", "float16", "int64", "int32", "int16", "int8", "uint8",
+                "bool", "scalar", "empty", "strided", "transposed", "shares_storage"):
+        assert _same(np.asarray(got[key]), want[key]), key
+    got["strided"][0, 0] = 7.0  # each array is its own copy, writable, as a loaded tensor is
+    assert got["float32"][1, 2] == base[1, 2]
+
+
+def test_what_a_weights_only_load_refuses_is_refused(tmp_path):
+    torch.save({"x": torch.ones(2, dtype=torch.bfloat16)}, tmp_path / "bf16.pt")
+    with pytest.raises(pickle.UnpicklingError, match="BFloat16Storage is not allowed"):
+        torchfile.load(tmp_path / "bf16.pt")
+    torch.save({"f": fake_run.logprobs}, tmp_path / "code.pt")
+    with pytest.raises(pickle.UnpicklingError, match="is not allowed in a tensor file"):
+        torchfile.load(tmp_path / "code.pt")
+    (tmp_path / "legacy.pt").write_bytes(pickle.dumps({"x": 1}))
+    with pytest.raises(Exception, match="zip"):
+        torchfile.load(tmp_path / "legacy.pt")
+
+
+def test_judging_a_run_loads_no_torch(tmp_path):
+    ro = fake_run.logprobs(4, 6)
+    tr = fake_run.perturbed(ro, 3)
+    code = fake_run.write_run(tmp_path / "run", run_id="r", plan=Plan(), rollout=ro, trainer=tr)
+    assert code == 1
+    script = ("import sys\n"
+              "from rl_engine.evidence import judge, layout\n"
+              "from rl_engine.matrix import analyze, runner, tables\n"
+              f"v = judge.judge(layout.RunDir({str(tmp_path / 'run')!r}))\n"
+              "print(v.mismatch_count, v.numel, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["12", "24", "False"]
