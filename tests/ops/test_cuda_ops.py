@@ -52,11 +52,12 @@ def test_det_gemm_rows_do_not_depend_on_batch_or_position(ops, dtype):
     assert torch.equal(ops.det_gemm(x[5:6], w, bias), yb[5:6])
 
 
-# With M x N over this grid, choose_gemm_tile on a 132-SM H200 picks every tile the kernel has:
-# swapped slabs of 16, 32 and 64 weight rows by 8, 16, 32 and 64 tokens (1, 2 or 4 CTAs an SM, M
-# below the token width), 128 rows by 32, 64, 128 and 256 columns; rows that start mid-tile too.
-GEMM_TILE_NS = (1024, 2048, 4096, 8448, 16896, 33792)
-GEMM_ROW_MS = (1, 2, 3, 4, 8, 16, 17, 32, 64, 65, 128, 256, 1000, 1024, 4096, 4097, 8192)
+# With M x N over this grid, choose_gemm_tile on a 132-SM H200 picks every tile it can pick: swapped
+# slabs of 16 and 32 weight rows by 8, 16, 32 and 64 tokens and of 64 rows by 8, 16 and 32 tokens
+# (1, 2 or 4 CTAs an SM, M below the token width), 64 rows by 32, 64 and 128 columns, 128 rows by
+# 32, 64, 128 and 256 columns; rows that start mid-tile too.
+GEMM_TILE_NS = (1024, 2048, 2176, 2560, 4096, 8448, 16896, 33792)
+GEMM_ROW_MS = (1, 2, 3, 4, 8, 16, 17, 32, 40, 64, 65, 128, 192, 256, 1000, 1024, 4096, 4097, 8192)
 
 
 def test_det_gemm_every_tile_gives_the_same_bits(ops):

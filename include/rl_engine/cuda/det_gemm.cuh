@@ -379,26 +379,33 @@ inline GemmRing gemm_ring(int bm, int bn, int subs, int m, int64_t tiles, int nu
 
 // The one tile choice of det_gemm (forward and both backward products). It may look at M, N and the
 // SM count because the tile never changes a row's bits (see the top of this file); K is not looked
-// at. Above M = 64: 128-row tiles, the widest of 256, 128, 64, 32 columns whose tiles keep at least
-// 80% of the SMs busy in every wave of the persistent grid. Up to M = 64 (decode) the product is a
-// stream of the weight: swapped tiles with M rounded up to 8, 16, 32 or 64 as the narrow side, and
-// slabs of 32 weight rows; 64 rows where that still leaves two slabs an SM (one with 64 tokens, whose
-// own rows would otherwise be read twice as often as the weight), 16 where 32-row slabs would leave
-// most SMs idle. Measured on an H200: a CTA streams about one slab row per k16 step of its chain, so
-// the slab sets how many SMs the stream is spread over and how fast each one pulls.
+// at. Above M = 32 it takes the first tile of kTileOrder (largest first, one of 64 rows before the
+// narrow ones of 128) whose grid either fills one wave to between 55% and 100% of the SMs or keeps
+// at least 80% of them busy in every wave; tiles of 128 rows only above M = 64. Up to M = 32 (decode),
+// and up to 64 where no such tile fits (narrow N), the product is a stream of the weight: swapped
+// tiles with M rounded up to 8, 16, 32 or 64 as the narrow side, and slabs of 32 weight rows; 64 rows
+// where that still leaves two slabs an SM, 16 where 32-row slabs would leave most SMs idle. Measured
+// on an H200 over every tile at M = 64 to 1024 and the shapes of benchmarks/hopper_ops.py: a part
+// wave of large tiles beats full waves of narrow ones (each CTA re-reads A and B per tile from L2),
+// and a 64-row tile (two CTAs an SM) beats a 128-row one whose last row block is half empty.
 inline GemmTile choose_gemm_tile(int m, int n, int num_sms) {
-  if (m > 64) {
-    static constexpr int kTwo[] = {256, 128, 64, 32};
-    const int64_t m_blocks = (m + 127) / 128;
-    for (int bn : kTwo) {
-      const int64_t tiles = m_blocks * ((n + bn - 1) / bn), waves = (tiles + num_sms - 1) / num_sms;
-      if (10 * tiles >= 8 * waves * num_sms) return {128, bn, false};
+  static constexpr GemmTile kTileOrder[] = {{128, 256, false}, {128, 128, false}, {64, 128, false},
+                                            {128, 64, false},  {128, 32, false},  {64, 64, false},
+                                            {64, 32, false}};
+  if (m > 32) {
+    for (const GemmTile& t : kTileOrder) {
+      if (t.bm > 64 && m <= 64) continue;
+      const int64_t tiles = static_cast<int64_t>((m + t.bm - 1) / t.bm) * ((n + t.bn - 1) / t.bn);
+      const int64_t waves = (tiles + num_sms - 1) / num_sms;
+      const bool part_wave = tiles <= num_sms && 20 * tiles >= 11 * num_sms;
+      const bool full_waves = tiles > num_sms && 10 * tiles >= 8 * waves * num_sms;
+      if (part_wave || full_waves) return t;
     }
-    return {128, kTwo[3], false};
+    if (m > 64) return kTileOrder[6];
   }
   const int bn = m <= 8 ? 8 : m <= 16 ? 16 : m <= 32 ? 32 : 64;
   const int64_t slabs64 = (n + 63) / 64, slabs32 = (n + 31) / 32;
-  if (slabs64 >= 2 * num_sms || (bn == 64 && 4 * slabs64 >= 5 * num_sms)) return {64, bn, true};
+  if (slabs64 >= 2 * num_sms) return {64, bn, true};
   if (2 * slabs32 >= num_sms) return {32, bn, true};
   return {16, bn, true};
 }
@@ -467,6 +474,13 @@ cudaError_t launch_det_gemm_sm90(const GemmOperands& op, const Epi& epi, int num
         case 64: return launch_det_gemm_swapped<64>(t.bn, op, epi, num_sms, stream);
         case 32: return launch_det_gemm_swapped<32>(t.bn, op, epi, num_sms, stream);
         default: return launch_det_gemm_swapped<16>(t.bn, op, epi, num_sms, stream);
+      }
+    }
+    if (t.bm == 64) {
+      switch (t.bn) {
+        case 128: return launch_det_gemm_tile<64, 128, false>(op, epi, num_sms, stream);
+        case 64: return launch_det_gemm_tile<64, 64, false>(op, epi, num_sms, stream);
+        default: return launch_det_gemm_tile<64, 32, false>(op, epi, num_sms, stream);
       }
     }
     switch (t.bn) {
