@@ -18,7 +18,8 @@ void gemm_store(const GemmOperands& g, at::Tensor& out, const float* bias, bool 
                 const char* op) {
   Out* p = reinterpret_cast<Out*>(out.data_ptr());
   const bool pairs = out.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(p) % (2 * sizeof(Out)) == 0;
-  const StoreEpilogue<Out> epi{p, out.stride(0), bias, accumulate, pairs};
+  const bool rows16 = sizeof(Out) == 2 && out.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(p) % 16 == 0;
+  const StoreEpilogue<Out> epi{p, out.stride(0), bias, accumulate, pairs, rows16};
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const cudaError_t e = g.dtype == DType::kF32 ? launch_det_gemm_f32(g, epi, stream)
                                                : launch_det_gemm_sm90(g, epi, sm_count(), stream);

@@ -222,6 +222,7 @@ struct StoreEpilogue {
   const float* bias;  // fp32 [n] or null
   bool accumulate;
   bool pairs;  // ldo even and out aligned: adjacent columns go out in one store
+  bool rows16;  // 16-bit Out, ldo a multiple of 8 and out 16-byte aligned: 8 columns in one store
 
   __device__ __forceinline__ void store_pair(int row, int col, float v0, float v1, int m, int n) const {
     if (row >= m || col >= n) return;
@@ -251,11 +252,52 @@ struct StoreEpilogue {
     p[0] = from_float<Out>(v);
   }
 
+  // A fragment whose columns all exist, written 16 bytes a thread: the four lanes of a quad hold one
+  // row's pairs of four 8-column blocks and swap them (a 4 x 4 transpose through shuffles) so that
+  // each lane holds one block's 8 columns, and a row's 64 bytes go out as two whole sectors, where
+  // pair stores would write half-used ones. The values and their one rounding are the same.
+  template <int kA>
+  __device__ __forceinline__ void store_blocks(const float (&acc)[kA], int r, int col0, int m) const {
+    const int c = threadIdx.x % 4;
+    const unsigned quad = threadIdx.x % 32 & ~3u;
+#pragma unroll
+    for (int q = 0; q < kA / 16; ++q) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        uint32_t p[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int j = 4 * q + i, col = col0 + 8 * j + 2 * c;
+          float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+          if (bias != nullptr) v0 = v0 + bias[col], v1 = v1 + bias[col + 1];
+          rl_engine::cuda::store_pair(reinterpret_cast<Out*>(&p[i]), v0, v1);
+        }
+        uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {  // lane c sends its pair of block (c + s) % 4 to that lane
+          const int give = (c + s) & 3, from = (c - s) & 3;
+          const uint32_t mine = give == 0 ? p[0] : give == 1 ? p[1] : give == 2 ? p[2] : p[3];
+          const uint32_t got = __shfl_sync(0xffffffffu, mine, quad | from);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) w[i] = i == from ? got : w[i];
+        }
+        const int row = r + 8 * h;
+        if (row < m) {
+          *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row) * ldo + col0 + 8 * (4 * q + c)) =
+              make_uint4(w[0], w[1], w[2], w[3]);
+        }
+      }
+    }
+  }
+
   template <int kA>
   __device__ __forceinline__ void operator()(const float (&acc)[kA], int row0, int col0, int m,
                                              int n) const {
     const int t = threadIdx.x % 128;
     const int r = row0 + (t / 32) * 16 + (t % 32) / 4, cq = col0 + (t % 4) * 2;
+    if constexpr (sizeof(Out) == 2 && kA % 16 == 0) {
+      if (rows16 && !accumulate && col0 + 2 * kA <= n) return store_blocks(acc, r, col0, m);
+    }
 #pragma unroll
     for (int j = 0; j < kA / 4; ++j) {
       store_pair(r, cq + 8 * j, acc[4 * j], acc[4 * j + 1], m, n);
