@@ -27,7 +27,9 @@ class Comparison:
 
 
 def _array(x: Any) -> np.ndarray:
-    if hasattr(x, "detach"):  # a torch tensor, on any device
+    if hasattr(x, "detach"):  # a torch tensor, on any device (numpy has no bfloat16: check first)
+        if str(x.dtype) != "torch.float32":
+            raise ValueError(f"log-probs must be float32, got {x.dtype}")
         x = x.detach().cpu().numpy()
     return np.ascontiguousarray(x)
 

@@ -74,3 +74,18 @@ def test_judging_a_run_loads_no_torch(tmp_path):
               "print(v.mismatch_count, v.numel, 'torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["12", "24", "False"]
+
+
+def test_the_comparison_counts_bits_on_tensors_and_arrays_alike():
+    from rl_engine.evidence.compare import compare
+
+    ro = torch.tensor([[0.0, -1.5, float("nan"), 2.0]])
+    tr = torch.tensor([[-0.0, -1.5, float("nan"), 2.5]])
+    for a, b in ((ro, tr), (ro.numpy(), tr.numpy()), (ro.requires_grad_(), tr)):
+        c = compare(a, b)
+        assert (c.numel, c.mismatch_count, c.nonfinite_count, c.max_abs_diff) == (4, 2, 1, 0.5)
+        assert c.differs.tolist() == [[True, False, False, True]]
+    with pytest.raises(ValueError, match="must be float32"):
+        compare(ro.detach().bfloat16(), tr)
+    with pytest.raises(ValueError, match="differ in shape"):
+        compare(ro.detach(), tr[:, :2])
