@@ -64,7 +64,7 @@ inline at::Tensor transposed_rows(const at::Tensor& t, const char* op) {
   if (t.element_size() != 2) return t.t().contiguous();
   const auto src = t.stride(1) == 1 ? t : t.contiguous();
   const int64_t rows = src.size(0), cols = src.size(1);
-  TORCH_CHECK(rows < (int64_t{1} << 22) && cols <= INT_MAX, op, ": matrix too large to transpose: ",
+  TORCH_CHECK(rows <= int64_t{65535} * 64 && cols <= INT_MAX, op, ": matrix too large to transpose: ",
               src.sizes());
   auto buf = at::empty({cols, round_up(std::max<int64_t>(rows, 1), 8)}, t.options());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();

@@ -4,7 +4,8 @@ Judging a finished run reads its train data and nothing else of torch; importing
 costs a matrix cell 1.3 to 1.5 s on a small CPU, more than the judging itself. The unpickler admits
 what `torch.load(weights_only=True)` admits for plain containers of CPU tensors: the tensor rebuild
 call, the storage types below, and OrderedDict. Anything else (another global, a bfloat16 storage,
-a legacy non-zip file) is refused with `pickle.UnpicklingError`.
+a legacy non-zip file, a tensor reaching past its storage) is refused with
+`pickle.UnpicklingError`.
 """
 
 from __future__ import annotations
@@ -27,17 +28,40 @@ _STORAGES = {
 
 
 class _Storage:
+    """A storage type named in the pickle; frozen, so that a pickle cannot rewrite its dtype."""
+
+    __slots__ = ("name",)
+
     def __init__(self, name: str) -> None:
-        self.dtype = np.dtype(_STORAGES[name])
+        object.__setattr__(self, "name", name)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise pickle.UnpicklingError("a storage type cannot be modified")
+
+
+def _ints(values: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(values, tuple) or not all(type(v) is int and v >= 0 for v in values):
+        raise pickle.UnpicklingError(f"tensor {what} {values!r} is not a tuple of non-negative ints")
+    return values
 
 
 def _rebuild_tensor(storage: np.ndarray, offset: int, size: tuple, stride: tuple, *_rest) -> np.ndarray:
-    if not size:
-        return storage[offset].copy()
+    """The tensor's own copy (as torch.load gives), after checking that every element it names lies
+    inside its storage: as_strided itself reads wherever the strides point."""
+    if not isinstance(storage, np.ndarray):
+        raise pickle.UnpicklingError("a tensor without a storage")
+    (offset,), size, stride = _ints((offset,), "offset"), _ints(size, "size"), _ints(stride, "stride")
+    if len(size) != len(stride):
+        raise pickle.UnpicklingError(f"tensor size {size} and stride {stride} differ in length")
+    if all(size) and offset + sum((n - 1) * s for n, s in zip(size, stride)) >= storage.size:
+        raise pickle.UnpicklingError(f"tensor of size {size}, stride {stride} at offset {offset} "
+                                     f"reaches past its storage of {storage.size} elements")
+    if not all(size):
+        return np.empty(size, dtype=storage.dtype)
     item = storage.itemsize
-    view = np.lib.stride_tricks.as_strided(storage[offset:], shape=tuple(size),
+    view = np.lib.stride_tricks.as_strided(storage[offset:], shape=size,
                                            strides=tuple(s * item for s in stride), writeable=False)
-    return np.array(view)  # its own contiguous copy, as torch.load gives a tensor of its own
+    return np.array(view)  # a 0-d tensor too comes back as an ndarray, not a numpy scalar
 
 
 class _Unpickler(pickle.Unpickler):
@@ -60,14 +84,25 @@ class _Unpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
         _, storage, key, _location, numel = pid
         if key not in self._loaded:
-            raw = self._archive.read(f"{self._prefix}/data/{key}")
-            self._loaded[key] = np.frombuffer(raw, dtype=storage.dtype, count=int(numel))
+            dtype = np.dtype(_STORAGES[storage.name])
+            try:
+                raw = self._archive.read(f"{self._prefix}/data/{key}")
+            except KeyError:
+                raise pickle.UnpicklingError(f"storage {key!r} is missing from the file") from None
+            if type(numel) is not int or numel < 0 or numel * dtype.itemsize > len(raw):
+                raise pickle.UnpicklingError(f"storage {key!r} holds {len(raw)} bytes, not {numel!r} "
+                                             f"elements of {dtype}")
+            self._loaded[key] = np.frombuffer(raw, dtype=dtype, count=numel)
         return self._loaded[key]
 
 
 def load(path: Path | str) -> Any:
     """The object `torch.save` wrote, every CPU tensor in it as a numpy array."""
-    with zipfile.ZipFile(path) as archive:
+    try:
+        archive = zipfile.ZipFile(path)
+    except zipfile.BadZipFile:
+        raise pickle.UnpicklingError(f"{Path(path).name} is not a torch zip file") from None
+    with archive:
         pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pickles) != 1:
             raise pickle.UnpicklingError(f"{Path(path).name} is not a torch zip file (no data.pkl)")

@@ -241,9 +241,12 @@ def watch():
         time.sleep(0.02)
     seen.append(time.time())
 threading.Thread(target=watch, daemon=True).start()
-code, report = runner.run(runner.MatrixRun(root=root, cells=["ffn-PR"], workload="ci"))
-print(json.dumps({"code": code, "before_exit": seen[0] < float(exited.read_text())}))
+at_start = []
+code, report = runner.run(runner.MatrixRun(
+    root=root, cells=["ffn-PR"], workload="ci",
+    on_start=lambda cell, folder, proc: at_start.append("pyarrow.parquet" in sys.modules)))
+print(json.dumps({"code": code, "at_start": at_start, "before_exit": seen[0] < float(exited.read_text())}))
 """
     out = json.loads(in_new_python(code, str(slow_exit), str(tmp_path / "m"),
                                    str(tmp_path / "exited")))
-    assert out == {"code": 0, "before_exit": True}
+    assert out == {"code": 0, "at_start": [False], "before_exit": True}

@@ -254,8 +254,9 @@ struct StoreEpilogue {
 
   // A fragment whose columns all exist, written 16 bytes a thread: the four lanes of a quad hold one
   // row's pairs of four 8-column blocks and swap them (a 4 x 4 transpose through shuffles) so that
-  // each lane holds one block's 8 columns, and a row's 64 bytes go out as two whole sectors, where
-  // pair stores would write half-used ones. The values and their one rounding are the same.
+  // each lane holds one block's 8 columns, and a row's 64 bytes go out in whole 16-byte pieces (two
+  // whole sectors where rows start on 32 bytes), where pair stores would write 16 bytes of a sector
+  // at a time. The values and their one rounding are the same.
   template <int kA>
   __device__ __forceinline__ void store_blocks(const float (&acc)[kA], int r, int col0, int m) const {
     const int c = threadIdx.x % 4;
@@ -423,13 +424,15 @@ inline GemmRing gemm_ring(int bm, int bn, int subs, int m, int64_t tiles, int nu
 // SM count because the tile never changes a row's bits (see the top of this file); K is not looked
 // at. Above M = 32 it takes the first tile of kTileOrder (largest first, one of 64 rows before the
 // narrow ones of 128) whose grid either fills one wave to between 55% and 100% of the SMs or keeps
-// at least 80% of them busy in every wave; tiles of 128 rows only above M = 64. Up to M = 32 (decode),
-// and up to 64 where no such tile fits (narrow N), the product is a stream of the weight: swapped
-// tiles with M rounded up to 8, 16, 32 or 64 as the narrow side, and slabs of 32 weight rows; 64 rows
-// where that still leaves two slabs an SM, 16 where 32-row slabs would leave most SMs idle. Measured
-// on an H200 over every tile at M = 64 to 1024 and the shapes of benchmarks/hopper_ops.py: a part
-// wave of large tiles beats full waves of narrow ones (each CTA re-reads A and B per tile from L2),
-// and a 64-row tile (two CTAs an SM) beats a 128-row one whose last row block is half empty.
+// at least 80% of them busy in every wave; tiles of 128 rows only above M = 64, where 64 x 32 is
+// taken when none fits. Up to M = 32 (decode), and up to 64 where none fits (narrow N), the product
+// is a stream of the weight: swapped tiles with M rounded up to 8, 16, 32 or 64 as the narrow side,
+// and slabs of 32 weight rows; 64 rows where that still leaves two slabs an SM (reached only up to
+// M = 32: at such N a 64-row unswapped tile fits), 16 where 32-row slabs would leave most SMs idle.
+// Measured on an H200 over every tile at M = 64 to 1024 and the shapes of benchmarks/hopper_ops.py:
+// a part wave of large tiles beats full waves of narrow ones (each CTA re-reads A and B per tile
+// from L2), and a 64-row tile (two CTAs an SM) beats a 128-row one whose last row block is half
+// empty.
 inline GemmTile choose_gemm_tile(int m, int n, int num_sms) {
   static constexpr GemmTile kTileOrder[] = {{128, 256, false}, {128, 128, false}, {64, 128, false},
                                             {128, 64, false},  {128, 32, false},  {64, 64, false},

@@ -63,7 +63,8 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// in [rows, cols] (row pitch ld_in) -> out [cols, rows] (row pitch ld_out); rows < 2^22.
+// in [rows, cols] (row pitch ld_in) -> out [cols, rows] (row pitch ld_out); rows <= 65535 * 64 (a
+// grid has at most 65535 blocks in y).
 template <typename T>
 cudaError_t launch_transpose(const T* in, int64_t ld_in, int rows, int cols, T* out, int64_t ld_out,
                              cudaStream_t stream) {
