@@ -251,9 +251,12 @@ def test_running_job_whose_ranks_need_gpus_the_cluster_lacks_is_stopped(ray_addr
 def test_queued_job_that_fits_is_left_waiting_past_pending_timeout(ray_address, wait_status):
     hook = RayJobHook(address=ray_address)
     blocker = hook.submit("sleep 60", "trig-blocker", entrypoint_num_cpus=2)
-    queued = hook.submit("echo late", "trig-queued", entrypoint_num_cpus=1)
+    queued = None
     try:
+        # Only once the blocker holds both CPUs: submitted together, Ray may start the small job
+        # first, and it ends before the trigger looks.
         wait_status(hook, blocker, {"RUNNING"})
+        queued = hook.submit("echo late", "trig-queued", entrypoint_num_cpus=1)
         trigger = RayJobTrigger(submission_id=queued, address=ray_address, entrypoint_num_cpus=1,
                                 pending_timeout=0.5, poll_interval=0.3)
         with structlog.testing.capture_logs() as logs, pytest.raises(TimeoutError):
@@ -261,7 +264,8 @@ def test_queued_job_that_fits_is_left_waiting_past_pending_timeout(ray_address, 
         assert str(hook.status(queued)) == "PENDING"
         assert any("fits the cluster" in entry["event"] for entry in logs)
     finally:
-        hook.stop(queued)
+        if queued is not None:
+            hook.stop(queued)
         hook.stop(blocker)
     wait_status(hook, blocker, TERMINAL)
 
