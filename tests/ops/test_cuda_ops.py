@@ -74,6 +74,40 @@ def test_det_gemm_every_tile_gives_the_same_bits(ops):
                 assert torch.equal(out, y[off:off + m, :n]), (n, m, off)
 
 
+def test_det_gemm_reads_its_inputs_only_once_they_are_written(ops):
+    """A det_gemm launch may start while the kernel before it still runs (programmatic dependent
+    launch) and must wait for it before touching memory. Chains in which every GEMM reads the
+    output of the kernel just before it (another det_gemm, or a torch kernel), launched back to back
+    and replayed from a CUDA graph, give the bits of the same chain with a synchronize between
+    calls."""
+    w = randn(1024, 1024, scale=1 / 32, seed=21)
+
+    def chain(x, sync):
+        outs = []
+        for i in range(24):
+            x = ops.det_gemm(x if i % 3 else x.neg(), w, None)
+            outs.append(x)
+            if sync:
+                torch.cuda.synchronize()
+        return outs
+
+    for m in (3, 64, 1024):  # a swapped decode tile, a 64-row tile, 128-row tiles
+        x = randn(m, 1024, seed=22)
+        ref = chain(x, sync=True)
+        assert all(torch.equal(a, b) for a, b in zip(chain(x, sync=False), ref)), m
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            chain(x, sync=False)  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = chain(x, sync=False)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(outs, ref)), m
+
+
 def test_det_gemm_fp32_path_is_invariant_and_exact(ops):
     x, w = randn(300, 70, dtype=torch.float32, seed=4), randn(90, 70, dtype=torch.float32, seed=5)
     y = ops.det_gemm(x, w, None)

@@ -82,6 +82,24 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+// Fetches a kernel-parameter tensor map into the descriptor cache ahead of its first bulk copy.
+__device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// Programmatic dependent launch. A kernel launched with programmatic stream serialization may start
+// while the kernel before it in the stream is still running; griddepcontrol.wait blocks until that
+// kernel has finished and its writes are visible (a no-op for a plain launch), so nothing before
+// it may touch global memory another kernel writes. launch_dependents lets the next such kernel
+// start its own prologue as soon as every CTA of this one has called it.
+__device__ __forceinline__ void grid_dependency_wait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+__device__ __forceinline__ void launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 // Orders this thread's ordinary shared-memory writes before later reads by the async proxy (wgmma).
 __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");

@@ -71,9 +71,11 @@ __global__ void __launch_bounds__(rms_block<G>())
 // dx = rstd * (g w - x * c), c = ((sum_j (g_j w_j) x_j) * rstd) * rstd / H, as the CPU kernel;
 // dw_part[chunk, i] = sum over the chunk's rows, in row order, of g * (x * rstd). Dynamic shared
 // memory: (blockDim.x / G) * h floats.
-// Three 256-thread blocks per SM for the narrow groups: more rows in flight hide the per-row chain.
+// Two 256-thread blocks per SM for the narrow groups, each group with two rows in flight (the one it
+// reduces and the next), within 128 registers a thread. (32768 rows of 4096 make 2048 chunks: 3.9
+// waves of these groups, where three blocks an SM left the last of 3 waves 60% full.)
 template <typename T, int G, int V>
-__global__ void __launch_bounds__(rms_block<G>(), G <= 128 ? 3 : 1)
+__global__ void __launch_bounds__(rms_block<G>(), G <= 128 ? 2 : 1)
     rlk_rmsnorm_bwd_kernel(const T* __restrict__ g, const T* __restrict__ x, const T* __restrict__ w,
                        const float* __restrict__ rstd, T* __restrict__ dx, float* __restrict__ dw_part,
                        int64_t rows, int h, float inv_h) {
@@ -96,18 +98,29 @@ __global__ void __launch_bounds__(rms_block<G>(), G <= 128 ? 3 : 1)
       for (int j = 0; j < V; ++j) dw[j * nv + vi] = 0.f;
     }
   }
+  // Row r + 1 is loaded while row r is reduced and written: the group_sum barriers would otherwise
+  // keep each group to one row's loads in flight.
+  auto load_row = [&](int r, Raw<T, V>(&gv)[kRmsMaxV], Raw<T, V>(&xv)[kRmsMaxV]) {
+    const int64_t row = chunk * kRmsChunk + r;
+    if (chunk >= chunks || row >= rows) return;
+#pragma unroll
+    for (int i = 0; i < kRmsMaxV; ++i) {
+      const int vi = gt + i * G;
+      if (vi < nv) {
+        gv[i].load(g + row * h + vi * V);
+        xv[i].load(x + row * h + vi * V);
+      }
+    }
+  };
+  Raw<T, V> gn[kRmsMaxV], xn[kRmsMaxV];
+  load_row(0, gn, xn);
   for (int r = 0; r < kRmsChunk; ++r) {  // same trip count in every group: group_sum syncs
     const int64_t row = chunk * kRmsChunk + r;
     const bool valid = chunk < chunks && row < rows;
     Raw<T, V> gv[kRmsMaxV], xv[kRmsMaxV];
 #pragma unroll
-    for (int i = 0; i < kRmsMaxV; ++i) {
-      const int vi = gt + i * G;
-      if (valid && vi < nv) {
-        gv[i].load(g + row * h + vi * V);
-        xv[i].load(x + row * h + vi * V);
-      }
-    }
+    for (int i = 0; i < kRmsMaxV; ++i) gv[i] = gn[i], xv[i] = xn[i];
+    if (r + 1 < kRmsChunk) load_row(r + 1, gn, xn);
     float dot = 0.f;
 #pragma unroll
     for (int i = 0; i < kRmsMaxV; ++i) {
