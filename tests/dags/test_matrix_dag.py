@@ -22,7 +22,7 @@ from rl_engine.artifacts import ids
 CELL = "ffn-PR"
 
 CHILD = textwrap.dedent('''
-    import json, sys
+    import json, sys, time
     from datetime import datetime, timezone
     from pathlib import Path
     from rl_engine.stack import demo
@@ -53,8 +53,18 @@ CHILD = textwrap.dedent('''
         # Clear the cell: the same run id (same `when`), so the same matrix root. dag.test
         # recreates the run, so try numbers start at 1 again and would reuse the Ray submission
         # ids of the first run; forget those jobs (a real clear bumps the try number instead).
-        for job in seen["first"]["jobs"]:
-            client.delete_job(job["id"])
+        # Ray's job monitor, polling once a second, can write a deleted job's status back (as a
+        # FAILED job whose entrypoint is "Entrypoint not found."), once; delete until none is left.
+        first_ids = {job["id"] for job in seen["first"]["jobs"]}
+        for _ in range(30):
+            left = first_ids & {job["id"] for job in jobs(client)}
+            if not left:
+                break
+            for job_id in left:
+                client.delete_job(job_id)
+            time.sleep(2)
+        else:
+            raise RuntimeError(f"Ray kept the first run's jobs: {sorted(left)}")
         run = demo.trigger(conf, when=when, mark_success_pattern="preflight|control")
         seen["second"] = {"run_id": run.run_id, "state": str(run.state), "tasks": tasks(run),
                           "jobs": jobs(client)}
