@@ -183,11 +183,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _exit(code: int) -> None:
-    """The `rlk` process's end: threads, exit handlers (the Ray launcher's, multiprocessing's, logging's) and
-    buffered output finish as in any exit, then the process ends without the interpreter's
-    teardown. With torch loaded that teardown takes about 0.15 s on a small CPU (its garbage
-    collections 0.5 s more) only to free memory the exit frees anyway, and a matrix cell pays it
-    twice, in its run and in its runner."""
+    """The `rlk` process's end: threads, exit handlers (the Ray launcher's, multiprocessing's,
+    logging's) and buffered output finish as in any exit, then the process ends without the
+    interpreter's teardown. With torch loaded that teardown takes about 0.15 s on a small CPU (its
+    garbage collections 0.5 s more) only to free memory the exit frees anyway, and a matrix cell
+    pays it twice, in its run and in its runner."""
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()

@@ -53,11 +53,11 @@ def _rebuild_tensor(storage: np.ndarray, offset: int, size: tuple, stride: tuple
     (offset,), size, stride = _ints((offset,), "offset"), _ints(size, "size"), _ints(stride, "stride")
     if len(size) != len(stride):
         raise pickle.UnpicklingError(f"tensor size {size} and stride {stride} differ in length")
-    if all(size) and offset + sum((n - 1) * s for n, s in zip(size, stride)) >= storage.size:
-        raise pickle.UnpicklingError(f"tensor of size {size}, stride {stride} at offset {offset} "
-                                     f"reaches past its storage of {storage.size} elements")
     if not all(size):
         return np.empty(size, dtype=storage.dtype)
+    if offset + sum((n - 1) * s for n, s in zip(size, stride)) >= storage.size:
+        raise pickle.UnpicklingError(f"tensor of size {size}, stride {stride} at offset {offset} "
+                                     f"reaches past its storage of {storage.size} elements")
     item = storage.itemsize
     view = np.lib.stride_tricks.as_strided(storage[offset:], shape=size,
                                            strides=tuple(s * item for s in stride), writeable=False)

@@ -244,10 +244,12 @@ def _train_data(run: layout.RunDir, run_id, steps: int, problems: list[str]) -> 
             key = (step, int(positions[s, t]), int(samples[s]))
             if out["first"] is None or key < out["first"][0]:
                 out["first"] = (key, float(ro[s, t]), float(tr[s, t]))
-        for s in range(ro.shape[0]):
-            for t in range(ro.shape[1]):
-                out["tokens"].append((step, int(samples[s]), int(positions[s, t]), float(ro[s, t]),
-                                      float(tr[s, t]), float(c.abs_diff[s, t])))
+        # Python lists once, not one numpy scalar at a time: a long workload has millions of tokens.
+        for sample, pos_row, ro_row, tr_row, diff_row in zip(
+                np.asarray(samples).tolist(), np.asarray(positions).tolist(), np.asarray(ro).tolist(),
+                np.asarray(tr).tolist(), np.asarray(c.abs_diff).tolist()):
+            out["tokens"].extend((step, int(sample), int(p), r, t, a)
+                                 for p, r, t, a in zip(pos_row, ro_row, tr_row, diff_row))
     for step in range(steps):
         if data and step not in out["per_step"]:
             problems.append(f"no train data of step {step}")
