@@ -246,8 +246,7 @@ def _train_data(run: layout.RunDir, run_id, steps: int, problems: list[str]) -> 
                 out["first"] = (key, float(ro[s, t]), float(tr[s, t]))
         # Python lists once, not one numpy scalar at a time: a long workload has millions of tokens.
         for sample, pos_row, ro_row, tr_row, diff_row in zip(
-                np.asarray(samples).tolist(), np.asarray(positions).tolist(), np.asarray(ro).tolist(),
-                np.asarray(tr).tolist(), np.asarray(c.abs_diff).tolist()):
+                samples.tolist(), positions.tolist(), ro.tolist(), tr.tolist(), c.abs_diff.tolist()):
             out["tokens"].extend((step, int(sample), int(p), r, t, a)
                                  for p, r, t, a in zip(pos_row, ro_row, tr_row, diff_row))
     for step in range(steps):

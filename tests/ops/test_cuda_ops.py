@@ -91,7 +91,9 @@ def test_det_gemm_reads_its_inputs_only_once_they_are_written(ops):
                 torch.cuda.synchronize()
         return outs
 
-    for m in (3, 64, 1024):  # a swapped decode tile, a 64-row tile, 128-row tiles
+    # At N = 1024: swapped weight-stream tiles at 3 and 64 tokens (they let the next launch in
+    # early), 64 x 128 tiles at 1024 (they leave that to their exit).
+    for m in (3, 64, 1024):
         x = randn(m, 1024, seed=22)
         ref = chain(x, sync=True)
         assert all(torch.equal(a, b) for a, b in zip(chain(x, sync=False), ref)), m

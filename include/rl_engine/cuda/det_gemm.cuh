@@ -486,8 +486,7 @@ cudaError_t launch_det_gemm_grid(const GemmOperands& op, const Epi& epi, int num
   e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   const int grid = tiles < ring.occupancy * num_sms ? static_cast<int>(tiles) : ring.occupancy * num_sms;
-  // Programmatic stream serialization: the launch and the CTAs' prologue overlap the previous
-  // kernel (the kernel waits for it before reading or writing global memory).
+  // Programmatic stream serialization (see the top of this file).
   cudaLaunchAttribute pdl[1];
   pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   pdl[0].val.programmaticStreamSerializationAllowed = 1;
