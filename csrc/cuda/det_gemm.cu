@@ -1,6 +1,7 @@
 // CUDA launchers of det_gemm and its two backward products. All three are one batch-invariant
-// GEMM (include/rl_engine/cuda/det_gemm.cuh) on K-major operands: the backward products feed it
-// transposed copies, so every output element is still one fixed-order reduction.
+// GEMM (include/rl_engine/cuda/det_gemm.cuh): the backward products pass transposed views, which
+// the large tiles read in place as MN-major operands and the others through a transposed copy,
+// with the same bits either way, so every output element is one fixed-order reduction.
 #include "rl_engine/cuda/det_gemm.cuh"
 
 #include <torch/library.h>
@@ -26,6 +27,21 @@ void gemm_store(const GemmOperands& g, at::Tensor& out, const float* bias, bool 
   check_launch(e, op);
 }
 
+// An operand [rows, k] stored as the transpose of a matrix with 16-byte aligned rows: the bulk
+// tensor copy can read it MN-major in place.
+bool mn_major_view(const at::Tensor& t) {
+  return t.stride(0) == 1 && t.stride(1) != 1 && t.stride(1) >= t.size(0) && (t.stride(1) * 2) % 16 == 0 &&
+         aligned16(t);
+}
+
+// The operand K-major with 16-byte aligned rows: itself, or a copy (the tiled transpose for a
+// transposed view).
+at::Tensor k_major(const at::Tensor& t, const char* op) {
+  if (t.stride(1) == 1 || t.size(1) == 1) return tma_rows(t);
+  if (t.stride(0) == 1) return transposed_rows(t.t(), op);
+  return tma_rows(t.contiguous());
+}
+
 int64_t leading_rows(const at::Tensor& t) {
   int64_t m = 1;
   for (int64_t i = 0; i + 1 < t.dim(); ++i) m *= t.size(i);
@@ -45,11 +61,25 @@ void gemm_into(const at::Tensor& a, const at::Tensor& b, at::Tensor& out,
     return;
   }
   const bool tensor_cores = a.scalar_type() == b.scalar_type() && a.scalar_type() != at::kFloat;
-  const at::Tensor a2 = tensor_cores ? tma_rows(a) : a.to(at::kFloat).contiguous();
-  const at::Tensor b2 = tensor_cores ? tma_rows(b) : b.to(at::kFloat).contiguous();
-  const GemmOperands g{a2.data_ptr(), a2.stride(0), b2.data_ptr(), b2.stride(0), static_cast<int>(m),
-                       static_cast<int>(n), static_cast<int>(k),
-                       tensor_cores ? dtype_of(a.scalar_type()) : DType::kF32};
+  GemmOperands g{nullptr, 0, nullptr, 0, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+                 tensor_cores ? dtype_of(a.scalar_type()) : DType::kF32};
+  at::Tensor a2, b2;
+  if (tensor_cores) {
+    const bool in_place = gemm_reads_mn_major(choose_gemm_tile(g.m, g.n, sm_count()));
+    g.b_mn = in_place && mn_major_view(b);
+    g.a_mn = g.b_mn && mn_major_view(a);
+    a2 = g.a_mn ? a : k_major(a, op);
+    b2 = g.b_mn ? b : k_major(b, op);
+    g.lda = g.a_mn ? a2.stride(1) : a2.stride(0);
+    g.ldb = g.b_mn ? b2.stride(1) : b2.stride(0);
+  } else {
+    a2 = a.to(at::kFloat).contiguous();
+    b2 = b.to(at::kFloat).contiguous();
+    g.lda = a2.stride(0);
+    g.ldb = b2.stride(0);
+  }
+  g.a = a2.data_ptr();
+  g.b = b2.data_ptr();
   at::Tensor bf;
   if (bias.has_value()) bf = bias->to(at::kFloat).contiguous();
   const float* bp = bias.has_value() ? bf.data_ptr<float>() : nullptr;
@@ -97,8 +127,8 @@ at::Tensor det_gemm_grad_input(const at::Tensor& grad_y, const at::Tensor& w) {
   count_launch(kDetGemmGradInput, kCuda);
   const int64_t n = w.size(0), k = w.size(1), m = leading_rows(grad_y);
   auto dx = at::empty({m, k}, grad_y.options());
-  // dx[m, k] = sum_n dy[m, n] w[n, k]: B = w^T [K, N] (one transposed copy), reduction over n.
-  gemm_into(grad_y.reshape({m, n}), transposed_rows(w, op), dx, std::nullopt, false, op);
+  // dx[m, k] = sum_n dy[m, n] w[n, k]: B = w^T [K, N] (a view), reduction over n.
+  gemm_into(grad_y.reshape({m, n}), w.t(), dx, std::nullopt, false, op);
   auto sizes = grad_y.sizes().vec();
   sizes.back() = k;
   return dx.reshape(sizes);
@@ -116,9 +146,8 @@ at::Tensor det_gemm_grad_weight(const at::Tensor& grad_y, const at::Tensor& x) {
   c10::cuda::CUDAGuard guard(grad_y.device());
   count_launch(kDetGemmGradWeight, kCuda);
   auto dw = at::empty({n, k}, grad_y.options().dtype(at::kFloat));
-  // dw[n, k] = sum_m dy[m, n] x[m, k]: A = dy^T, B = x^T (transposed copies), rows m in order.
-  gemm_into(transposed_rows(grad_y.reshape({rows, n}), op), transposed_rows(x.reshape({rows, k}), op), dw,
-            std::nullopt, false, op);
+  // dw[n, k] = sum_m dy[m, n] x[m, k]: A = dy^T, B = x^T (views), rows m in order.
+  gemm_into(grad_y.reshape({rows, n}).t(), x.reshape({rows, k}).t(), dw, std::nullopt, false, op);
   return dw;
 }
 

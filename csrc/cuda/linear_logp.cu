@@ -165,7 +165,6 @@ std::tuple<at::Tensor, at::Tensor> linear_logp_backward(const at::Tensor& grad_l
                             hidden.scalar_type() != at::kFloat;
   const auto dtype = tensor_cores ? hidden.scalar_type() : at::kFloat;
   const auto hs = hidden.to(dtype), ws = weight.to(dtype);
-  const auto hidden_t = transposed_rows(hs, op);  // [H, T], reused by every chunk
   const auto g = grad_logp.to(at::kFloat).contiguous(), l = lse.to(at::kFloat).contiguous();
   const auto tgt = target.contiguous();
   const int64_t align = 16 / c10::elementSize(dtype);
@@ -182,9 +181,10 @@ std::tuple<at::Tensor, at::Tensor> linear_logp_backward(const at::Tensor& grad_l
       default: launch_dlogit<float>(lg, vocab_start + c0, tgt, l, g, dl, op); break;
     }
     const auto dlv = dl.narrow(1, 0, vc);
-    gemm_into(dlv, transposed_rows(wc, op), grad_hidden, std::nullopt, c0 > 0, op);
+    // Transposed views: the GEMM reads them in place on its large tiles (see gemm_into).
+    gemm_into(dlv, wc.t(), grad_hidden, std::nullopt, c0 > 0, op);
     auto gw = grad_weight.narrow(0, c0, vc);
-    gemm_into(transposed_rows(dlv, op), hidden_t, gw, std::nullopt, false, op);
+    gemm_into(dlv.t(), hs.t(), gw, std::nullopt, false, op);
   }
   return {grad_hidden, grad_weight};
 }

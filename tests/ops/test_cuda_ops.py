@@ -55,7 +55,7 @@ def test_det_gemm_rows_do_not_depend_on_batch_or_position(ops, dtype):
 # With M x N over this grid, choose_gemm_tile on a 132-SM H200 picks every tile it can pick: swapped
 # slabs of 16 and 32 weight rows by 8, 16, 32 and 64 tokens and of 64 rows by 8, 16 and 32 tokens
 # (1, 2 or 4 CTAs an SM, M below the token width), 64 rows by 32, 64 and 128 columns, 128 rows by
-# 32, 64, 128 and 256 columns; rows that start mid-tile too.
+# 32, 64, 128, 160, 192 and 256 columns; rows that start mid-tile too.
 GEMM_TILE_NS = (1024, 2048, 2176, 2560, 4096, 8448, 16896, 33792)
 GEMM_ROW_MS = (1, 2, 3, 4, 8, 16, 17, 32, 40, 64, 65, 128, 192, 256, 1000, 1024, 4096, 4097, 8192)
 
@@ -108,6 +108,39 @@ def test_det_gemm_reads_its_inputs_only_once_they_are_written(ops):
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(outs, ref)), m
+
+
+def pitched(t, extra=1):
+    """t's values in rows one element longer: transposed views of it are not 16-byte aligned, so the
+    backward products read them through a transposed copy instead of in place."""
+    buf = torch.empty(t.shape[0], t.shape[1] + extra, dtype=t.dtype, device=t.device)
+    return buf[:, :t.shape[1]].copy_(t)
+
+
+def test_det_gemm_backward_reads_transposed_operands_with_the_same_bits(ops):
+    """The backward products pass transposed views; the 128- and 256-column tiles read them in place
+    (MN-major), every other tile through a transposed copy. Over every tile the choice can make,
+    the two must give the bits of det_gemm on K-major copies. K = 1000 is not a multiple of the
+    64-wide K block, so the zero fill past K is in play too."""
+    red = 1000
+    w = randn(red, max(GEMM_TILE_NS), seed=13)  # [N, K] of the forward: dx = dy . w
+    wt = w.t().contiguous()
+    dy = randn(8192, red, seed=14)
+    for n in GEMM_TILE_NS:
+        for m in GEMM_ROW_MS:
+            for off in sorted({0, 8192 - m}):
+                dx = ops.det_gemm_grad_input(dy[off:off + m], w[:, :n])
+                assert torch.equal(dx, ops.det_gemm(dy[off:off + m], wt[:n], None)), (n, m, off)
+    wp = pitched(w[:, :4096])
+    assert torch.equal(ops.det_gemm_grad_input(dy, wp), ops.det_gemm_grad_input(dy, w[:, :4096]))
+    # dw = dy^T x: the GEMM's rows are dy's columns and its columns x's, each a transposed view.
+    for rows, n, k in ((red, 4096, 4096), (red, 1024, 8448), (red, 8448, 1024), (4097, 2560, 2560),
+                       (red, 640, 256), (64, 200, 4096)):
+        g, x = randn(rows, n, seed=15), randn(rows, k, seed=16)
+        dw = ops.det_gemm_grad_weight(g, x)
+        assert torch.equal(dw, ops.det_gemm_grad_weight(pitched(g), pitched(x))), (rows, n, k)
+        assert torch.equal(dw[:, :64], ops.det_gemm_grad_weight(g, x[:, :64])), (rows, n, k)
+    assert rel(dw, g.double().T @ x.double()) < 1e-5
 
 
 def test_det_gemm_fp32_path_is_invariant_and_exact(ops):
@@ -242,6 +275,26 @@ def test_linear_logp_backward(ops, dtype):
     gh2, gw2 = ops.linear_logp_backward(grad[:9], hidden[:9], weight, target[:9], lse[:9], 0)
     assert torch.equal(gh2, gh[:9])
     assert torch.equal(ops.linear_logp_backward(grad, hidden, weight, target, lse, 0)[1], gw)
+
+
+
+def test_linear_logp_backward_reads_transposed_operands_with_the_same_bits(ops):
+    """At these sizes the backward's two gradient GEMMs run on 128- and 256-column tiles that read
+    the transposed dlogit, weight and hidden in place. Inputs whose rows are one element longer
+    force transposed copies instead; the gradients must not change by a bit, and nine tokens alone
+    (small tiles, copies) must get their rows' bits."""
+    t, h, v = 4096, 1024, 9000  # chunks of 8192 and 808 vocab rows
+    hidden, weight = randn(t, h, seed=23), randn(v, h, seed=24, scale=0.1)
+    target, grad = torch.randint(0, v, (t,), device=DEV), randn(t, dtype=torch.float32, seed=25)
+    _, lse = split_logp(ops, hidden, weight, target, 256, 1)
+    gh, gw = ops.linear_logp_backward(grad, hidden, weight, target, lse, 0)
+    gh_c, gw_c = ops.linear_logp_backward(grad, pitched(hidden), pitched(weight), target, lse, 0)
+    assert torch.equal(gh, gh_c) and torch.equal(gw, gw_c)
+    assert torch.equal(ops.linear_logp_backward(grad[:9], hidden[:9], weight, target[:9], lse[:9], 0)[0],
+                       gh[:9])
+    hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref_h, ref_w = torch.autograd.grad((logp_reference(hd, wd, target) * grad.double()).sum(), (hd, wd))
+    assert rel(gh, ref_h) < 1e-2 and rel(gw, ref_w) < 1e-2
 
 
 # ---------------------------------------------------------------- contracts

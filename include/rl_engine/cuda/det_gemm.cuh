@@ -39,6 +39,9 @@ namespace gemm_cfg {
 constexpr int kBK = 64;  // one K block: 64 16-bit values, one 128-byte swizzled row per tile row
 constexpr int kRowBytes = kBK * 2;
 constexpr int kMaxStages = 32;
+// 64 rows of a K block, K-major (64 rows of 128 bytes), or one 64-wide panel of an MN-major
+// operand (64 K rows of 64 values): the two layouts take the same bytes.
+constexpr int kPanelBytes = 64 * kRowBytes;
 constexpr int kSmPerSmem = 233472;  // shared memory of one SM, 1 KB of it reserved per resident CTA
 // wgmma reads 64 rows of A per consumer; where A's box is shorter (M < 64), the rows past it come
 // from whatever follows in shared memory and only reach output rows that are never stored.
@@ -84,7 +87,7 @@ __device__ __forceinline__ void gemm_tile_coords(int tile, int m_blocks, int n_b
 // A tile of kBM < 64 rows (16 or 32) still runs m64 wgmma: its rows past kBM read whatever follows
 // in shared memory and only reach fragment rows that belong to no output (the epilogue is told the
 // tile's last row).
-template <int kBM, int kBN, int kSubs, bool kHalf, typename Epi>
+template <int kBM, int kBN, int kSubs, bool kHalf, bool kTA, bool kTB, typename Epi>
 __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
                                   gemm_cfg::gemm_max_occupancy(kBM > 64 ? 2 : 1, kBN))
     rlk_det_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
@@ -129,8 +132,18 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
         ptx::mbar_arrive_expect_tx(full(s), ring.stage_bytes);
         const uint32_t st = base + s * ring.stage_bytes;
         for (int j = 0; j < kSubs; ++j) {
-          ptx::tma_load_2d(st + j * ring.a_bytes, &map_a, full(s), (kb + j) * kBK, mb * kBM);
-          ptx::tma_load_2d(st + b_off + j * ring.b_bytes, &map_b, full(s), (kb + j) * kBK, nb * kBN);
+          const int k0 = (kb + j) * kBK;
+          const uint32_t a = st + j * ring.a_bytes, b = st + b_off + j * ring.b_bytes;
+          if constexpr (kTA) {  // MN-major: one 64 x 64 box a 64-row panel, K as the box's rows
+            for (int p = 0; p < kBM / 64; ++p) ptx::tma_load_2d(a + p * kPanelBytes, &map_a, full(s), mb * kBM + 64 * p, k0);
+          } else {
+            ptx::tma_load_2d(a, &map_a, full(s), k0, mb * kBM);
+          }
+          if constexpr (kTB) {
+            for (int p = 0; p < kBN / 64; ++p) ptx::tma_load_2d(b + p * kPanelBytes, &map_b, full(s), nb * kBN + 64 * p, k0);
+          } else {
+            ptx::tma_load_2d(b, &map_b, full(s), k0, nb * kBN);
+          }
         }
         if (++s == ring.stages) s = 0, phase ^= 1u;
       }
@@ -160,12 +173,16 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
       ptx::wgmma_fence();
 #pragma unroll
       for (int j = 0; j < kSubs; ++j) {
-        const uint32_t a = st + j * ring.a_bytes + c * (64 * kRowBytes);
+        const uint32_t a = st + j * ring.a_bytes + c * kPanelBytes;
         const uint32_t b = st + b_off + j * ring.b_bytes;
 #pragma unroll
         for (int kk = 0; kk < kBK / 16; ++kk) {
-          ptx::wgmma_gemm<kBN, kHalf>(acc, ptx::smem_desc_sw128(a + 32 * kk),
-                                      ptx::smem_desc_sw128(b + 32 * kk));
+          // A k16 step is 32 bytes along a K-major row, 16 rows (2 KB) down an MN-major panel.
+          const uint64_t da = kTA ? ptx::smem_desc_sw128_mn(a + 16 * kRowBytes * kk, kPanelBytes)
+                                  : ptx::smem_desc_sw128(a + 32 * kk);
+          const uint64_t db = kTB ? ptx::smem_desc_sw128_mn(b + 16 * kRowBytes * kk, kPanelBytes)
+                                  : ptx::smem_desc_sw128(b + 32 * kk);
+          ptx::wgmma_gemm<kBN, kHalf, kTA, kTB>(acc, da, db);
         }
       }
       ptx::wgmma_commit();
@@ -344,7 +361,9 @@ struct SwapEpilogue {
   }
 };
 
-// Host side. Operands: A [m, k] and B [n, k] with leading dimensions lda, ldb (elements).
+// Host side. Operands: A [m, k] and B [n, k] with leading dimensions lda, ldb (elements). An
+// operand marked MN-major is stored as its transpose (A as [k, m], B as [k, n], ld between K rows):
+// the backward products read their operands that way in place (see gemm_reads_mn_major).
 struct GemmOperands {
   const void* a;
   int64_t lda;
@@ -352,6 +371,7 @@ struct GemmOperands {
   int64_t ldb;
   int m, n, k;
   DType dtype;  // kBF16 or kF16 for the wgmma path, kF32 for the plain path
+  bool a_mn = false, b_mn = false;
 };
 
 using TmaEncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
@@ -436,21 +456,39 @@ inline GemmRing gemm_ring(int bm, int bn, int subs, int m, int64_t tiles, int nu
 
 // The one tile choice of det_gemm (forward and both backward products). It may look at M, N and the
 // SM count because the tile never changes a row's bits (see the top of this file); K is not looked
-// at. Above M = 32 it takes the first tile of kTileOrder (largest first, one of 64 rows before the
-// narrow ones of 128) whose grid either fills one wave to between 55% and 100% of the SMs or keeps
-// at least 80% of them busy in every wave; tiles of 128 rows only above M = 64, where 64 x 32 is
-// taken when none fits. Up to M = 32 (decode), and up to 64 where none fits (narrow N), the product
-// is a stream of the weight: swapped tiles with M rounded up to 8, 16, 32 or 64 as the narrow side,
-// and slabs of 32 weight rows; 64 rows where that still leaves two slabs an SM (reached only up to
-// M = 32: at such N a 64-row unswapped tile fits), 16 where 32-row slabs would leave most SMs idle.
-// Measured on an H200 over every tile at M = 64 to 1024 and the shapes of benchmarks/hopper_ops.py:
-// a part wave of large tiles beats full waves of narrow ones (each CTA re-reads A and B per tile
-// from L2), and a 64-row tile (two CTAs an SM) beats a 128-row one whose last row block is half
-// empty.
+// at. Above M = 64 it first weighs the 128-row tiles of 256, 192, 160 and 128 columns: the share of
+// the SMs' time over whole waves that computes output elements that exist (a half-empty wave or
+// tile counts as lost), times the tile's own efficiency (narrower tiles move more shared memory
+// per product); the best is taken where that exceeds 75%. Otherwise (and from M = 33) it takes the
+// first tile of kTileOrder (largest first, one of 64 rows before the narrow ones of 128) whose grid
+// either fills one wave to between 55% and 100% of the SMs or keeps at least 80% of them busy in
+// every wave; tiles of 128 rows only above M = 64, where 64 x 32 is taken when none fits. Up to
+// M = 32 (decode), and up to 64 where none fits (narrow N), the product is a stream of the weight:
+// swapped tiles with M rounded up to 8, 16, 32 or 64 as the narrow side, and slabs of 32 weight
+// rows; 64 rows where that still leaves two slabs an SM (reached only up to M = 32: at such N a
+// 64-row unswapped tile fits), 16 where 32-row slabs would leave most SMs idle. Measured on an H200
+// over every tile at M = 64 to 1024 and the shapes of benchmarks/hopper_ops.py: a part wave of
+// large tiles beats full waves of narrow ones (each CTA re-reads A and B per tile from L2), and a
+// 64-row tile (two CTAs an SM) beats a 128-row one whose last row block is half empty.
 inline GemmTile choose_gemm_tile(int m, int n, int num_sms) {
   static constexpr GemmTile kTileOrder[] = {{128, 256, false}, {128, 128, false}, {64, 128, false},
                                             {128, 64, false},  {128, 32, false},  {64, 64, false},
                                             {64, 32, false}};
+  if (m > 64) {
+    // Own efficiency of a 128 x bn tile, per 1/100: products per byte it stages, 128 bn / (128 +
+    // bn), relative to the 256-wide tile's, flattened since wgmma also reuses B across the two
+    // consumers.
+    static constexpr int kWide[][2] = {{256, 100}, {192, 97}, {160, 95}, {128, 92}};
+    GemmTile best{0, 0, false};
+    double best_score = 0.75;
+    for (const auto& [bn, eff] : kWide) {
+      const int64_t tiles = static_cast<int64_t>((m + 127) / 128) * ((n + bn - 1) / bn);
+      const int64_t waves = (tiles + num_sms - 1) / num_sms;
+      const double useful = static_cast<double>(m) * n / (static_cast<double>(waves) * num_sms * 128 * bn);
+      if (useful * eff / 100 > best_score) best = {128, bn, false}, best_score = useful * eff / 100;
+    }
+    if (best.bm != 0) return best;
+  }
   if (m > 32) {
     for (const GemmTile& t : kTileOrder) {
       if (t.bm > 64 && m <= 64) continue;
@@ -469,19 +507,30 @@ inline GemmTile choose_gemm_tile(int m, int n, int num_sms) {
   return {16, bn, true};
 }
 
-template <int kBM, int kBN, int kSubs, typename Epi>
+// Whether a launch on tile t reads MN-major operands in place: B on the unswapped tiles of 128, 192
+// or 256 columns (whole 64-column panels), A too where B is. Elsewhere the caller passes a K-major copy. Each k16 step takes
+// the same products into the same accumulator either way, so the layout never shows in the bits
+// (tests/ops/test_cuda_ops.py holds the two to torch.equal on every tile).
+inline bool gemm_reads_mn_major(const GemmTile& t) { return !t.swap && t.bn >= 128 && t.bn % 64 == 0; }
+
+template <int kBM, int kBN, int kSubs, bool kTA, bool kTB, typename Epi>
 cudaError_t launch_det_gemm_grid(const GemmOperands& op, const Epi& epi, int num_sms,
                                  bool stream_dependents, cudaStream_t stream) {
   using namespace gemm_cfg;
   if (op.m <= 0 || op.n <= 0) return cudaSuccess;
   const int64_t tiles = static_cast<int64_t>((op.m + kBM - 1) / kBM) * ((op.n + kBN - 1) / kBN);
-  const GemmRing ring = gemm_ring(kBM, kBN, kSubs, op.m, tiles, num_sms);
+  // An MN-major A always takes whole 64-row panels (zero-filled past m).
+  const GemmRing ring = gemm_ring(kBM, kBN, kSubs, kTA && op.m < kBM ? kBM : op.m, tiles, num_sms);
   CUtensorMap map_a, map_b;
-  cudaError_t e = encode_tma_2d(&map_a, op.a, op.dtype, op.m, op.k, op.lda, ring.a_rows);
-  if (e == cudaSuccess) e = encode_tma_2d(&map_b, op.b, op.dtype, op.n, op.k, op.ldb, kBN);
+  cudaError_t e = kTA ? encode_tma_2d(&map_a, op.a, op.dtype, op.k, op.m, op.lda, kBK)
+                      : encode_tma_2d(&map_a, op.a, op.dtype, op.m, op.k, op.lda, ring.a_rows);
+  if (e == cudaSuccess) {
+    e = kTB ? encode_tma_2d(&map_b, op.b, op.dtype, op.k, op.n, op.ldb, kBK)
+            : encode_tma_2d(&map_b, op.b, op.dtype, op.n, op.k, op.ldb, kBN);
+  }
   if (e != cudaSuccess) return e;
-  auto kernel = op.dtype == DType::kF16 ? rlk_det_gemm_sm90_kernel<kBM, kBN, kSubs, true, Epi>
-                                        : rlk_det_gemm_sm90_kernel<kBM, kBN, kSubs, false, Epi>;
+  auto kernel = op.dtype == DType::kF16 ? rlk_det_gemm_sm90_kernel<kBM, kBN, kSubs, true, kTA, kTB, Epi>
+                                        : rlk_det_gemm_sm90_kernel<kBM, kBN, kSubs, false, kTA, kTB, Epi>;
   const int smem = ring.stages * static_cast<int>(ring.stage_bytes) + kOverhead;
   e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
@@ -500,23 +549,32 @@ cudaError_t launch_det_gemm_grid(const GemmOperands& op, const Epi& epi, int num
   return cudaLaunchKernelEx(&cfg, kernel, map_a, map_b, op.m, op.n, op.k, ring, epi, stream_dependents);
 }
 
+template <typename Epi, typename = void>
+struct AnyWidth : std::false_type {};
+template <typename Epi>
+struct AnyWidth<Epi, std::void_t<decltype(Epi::kAnyWidth)>> : std::bool_constant<Epi::kAnyWidth> {};
+
 // One tile: a swapped one launches B as the rows and A as the columns.
 template <int kBM, int kBN, bool kSwap, typename Epi>
 cudaError_t launch_det_gemm_tile(const GemmOperands& op, const Epi& epi, int num_sms,
                                  cudaStream_t stream) {
   constexpr int kSubs = gemm_tile_subs(kBM, kBN, kSwap);
   if constexpr (kSwap) {
+    if (op.a_mn || op.b_mn) return cudaErrorInvalidValue;  // see gemm_reads_mn_major
     const GemmOperands t{op.b, op.ldb, op.a, op.lda, op.n, op.m, op.k, op.dtype};
-    return launch_det_gemm_grid<kBM, kBN, kSubs>(t, SwapEpilogue<Epi>{epi}, num_sms, true, stream);
+    return launch_det_gemm_grid<kBM, kBN, kSubs, false, false>(t, SwapEpilogue<Epi>{epi}, num_sms, true, stream);
+  } else if constexpr (kBN >= 128 && kBN % 64 == 0 && AnyWidth<Epi>::value) {
+    if (op.a_mn && op.b_mn) {
+      return launch_det_gemm_grid<kBM, kBN, kSubs, true, true>(op, epi, num_sms, false, stream);
+    }
+    if (op.a_mn) return cudaErrorInvalidValue;
+    if (op.b_mn) return launch_det_gemm_grid<kBM, kBN, kSubs, false, true>(op, epi, num_sms, false, stream);
+    return launch_det_gemm_grid<kBM, kBN, kSubs, false, false>(op, epi, num_sms, false, stream);
   } else {
-    return launch_det_gemm_grid<kBM, kBN, kSubs>(op, epi, num_sms, false, stream);
+    if (op.a_mn || op.b_mn) return cudaErrorInvalidValue;
+    return launch_det_gemm_grid<kBM, kBN, kSubs, false, false>(op, epi, num_sms, false, stream);
   }
 }
-
-template <typename Epi, typename = void>
-struct AnyWidth : std::false_type {};
-template <typename Epi>
-struct AnyWidth<Epi, std::void_t<decltype(Epi::kAnyWidth)>> : std::bool_constant<Epi::kAnyWidth> {};
 
 template <int kBM, typename Epi>
 cudaError_t launch_det_gemm_swapped(int bn, const GemmOperands& op, const Epi& epi, int num_sms,
@@ -554,6 +612,8 @@ cudaError_t launch_det_gemm_sm90(const GemmOperands& op, const Epi& epi, int num
     }
     switch (t.bn) {
       case 256: return launch_det_gemm_tile<128, 256, false>(op, epi, num_sms, stream);
+      case 192: return launch_det_gemm_tile<128, 192, false>(op, epi, num_sms, stream);
+      case 160: return launch_det_gemm_tile<128, 160, false>(op, epi, num_sms, stream);
       case 128: return launch_det_gemm_tile<128, 128, false>(op, epi, num_sms, stream);
       case 64: return launch_det_gemm_tile<128, 64, false>(op, epi, num_sms, stream);
       default: return launch_det_gemm_tile<128, 32, false>(op, epi, num_sms, stream);

@@ -176,23 +176,24 @@ __device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr) {
   "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
   "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 
-// d[64 x 256] += a[64 x 16] * b[256 x 16]^T, both operands K-major in shared memory, fp32
-// accumulators in the warpgroup's registers (the m64nNk16 fragment layout).
-template <bool kHalf>
+// d[64 x 256] += a[64 x 16] * b[256 x 16]^T, both operands in shared memory (K-major unless kTA /
+// kTB make one MN-major), fp32 accumulators in the warpgroup's registers (the m64nNk16 fragment
+// layout).
+template <bool kHalf, bool kTA = false, bool kTB = false>
 __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b) {
 #ifdef RLK_NO_SM90A
   __trap();
 #else
   if constexpr (kHalf) {
     asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {" RLK_WGMMA_OUTS
-                 "}, %128, %129, 1, 1, 1, 0, 0;"
+                 "}, %128, %129, 1, 1, 1, %130, %131;"
                  : RLK_WGMMA_REGS(d)
-                 : "l"(desc_a), "l"(desc_b));
+                 : "l"(desc_a), "l"(desc_b), "n"(int{kTA}), "n"(int{kTB}));
   } else {
     asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" RLK_WGMMA_OUTS
-                 "}, %128, %129, 1, 1, 1, 0, 0;"
+                 "}, %128, %129, 1, 1, 1, %130, %131;"
                  : RLK_WGMMA_REGS(d)
-                 : "l"(desc_a), "l"(desc_b));
+                 : "l"(desc_a), "l"(desc_b), "n"(int{kTA}), "n"(int{kTB}));
   }
 #endif
 }
