@@ -1,4 +1,5 @@
-// Batch-invariant GEMM C[m, n] = sum_k A[m, k] B[n, k] for Hopper (sm_90a), both operands K-major.
+// Batch-invariant GEMM C[m, n] = sum_k A[m, k] B[n, k] for Hopper (sm_90a), operands K-major, or
+// MN-major (stored transposed) where the backward products pass them so (gemm_reads_mn_major).
 //
 // The reduction order is one for every shape: K walked in 64-wide blocks from 0 upwards, each block
 // four wgmma k16 steps into one fp32 accumulator, zero-filled past K; no split-K, no stream-K, no
