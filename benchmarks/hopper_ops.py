@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import rl_engine.ops  # noqa: F401  (loads the extension and its fake kernels)
+from provenance import add_source_args, source_of
 from rl_engine.ops import _lib
 from rl_engine.ops.logp import num_tiles, production_selected_logp
 from rl_engine.ops.rope import production_rope
@@ -241,21 +241,6 @@ def logp_rows(ops, repeats, quick):
     return rows
 
 
-def source_state():
-    """{"commit", "dirty", "changed_files"} of this checkout (None where git cannot tell)."""
-    def git(*args):
-        try:
-            return subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), *args],
-                                  capture_output=True, text=True, timeout=30, check=True).stdout
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    commit, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
-    changed = None if status is None else [line[3:] for line in status.splitlines()]
-    return dict(commit=None if commit is None else commit.strip(),
-                dirty=None if changed is None else bool(changed), changed_files=changed)
-
-
 SECTIONS = ("gemm", "memory", "logp")
 
 
@@ -264,9 +249,7 @@ def main():
     ap.add_argument("--out", type=Path, default=RESULT)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
-    ap.add_argument("--commit", help="the commit this tree is, where the checkout's own git history is "
-                    "not the tree's (a copy of it): recorded in place of git's answer")
-    ap.add_argument("--dirty", choices=("0", "1"), help="with --commit: whether tracked files differ from it")
+    add_source_args(ap)
     ap.add_argument("--sections", default=",".join(SECTIONS), help="which of gemm, memory, logp to run")
     args = ap.parse_args()
     sections = args.sections.split(",")
@@ -278,10 +261,7 @@ def main():
     for _ in range(200):  # ~1 s of matrix work first: clocks up before anything is timed
         x @ x
     copy = copy_tbs(args.repeats)
-    source = source_state()
-    if args.commit is not None:
-        source = dict(commit=args.commit, dirty=None if args.dirty is None else args.dirty == "1",
-                      changed_files=None)
+    source = source_of(args, Path(__file__).resolve().parent)
     result = dict(schema_version=SCHEMA_VERSION, source=source, device=torch.cuda.get_device_name(),
                   torch=torch.__version__, cuda=torch.version.cuda, build=json.loads(ops.build_info()),
                   ratio="median production time / median rl_engine time (above 1: rl_engine faster)",
