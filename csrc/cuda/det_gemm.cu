@@ -15,16 +15,19 @@ namespace rl_engine::cuda {
 namespace {
 
 template <typename Out>
-void gemm_store(const GemmOperands& g, at::Tensor& out, const float* bias, bool accumulate,
-                const char* op) {
+void gemm_store(const GemmOperands& g, const GemmPlan& plan, at::Tensor& out, const float* bias,
+                bool accumulate, const char* op) {
   Out* p = reinterpret_cast<Out*>(out.data_ptr());
   const bool pairs = out.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(p) % (2 * sizeof(Out)) == 0;
   const bool rows16 = sizeof(Out) == 2 && out.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(p) % 16 == 0;
   const StoreEpilogue<Out> epi{p, out.stride(0), bias, accumulate, pairs, rows16};
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const cudaError_t e = g.dtype == DType::kF32 ? launch_det_gemm_f32(g, epi, stream)
-                                               : launch_det_gemm_sm90(g, epi, sm_count(), stream);
-  check_launch(e, op);
+  if (g.dtype == DType::kF32) return check_launch(launch_det_gemm_f32(g, epi, stream), op);
+  // Range sums of a split K (see plan_det_gemm), from the caching allocator on this stream.
+  at::Tensor scratch;
+  if (plan.scratch_floats > 0) scratch = at::empty({plan.scratch_floats}, out.options().dtype(at::kFloat));
+  float* sp = plan.scratch_floats > 0 ? scratch.data_ptr<float>() : nullptr;
+  check_launch(launch_det_gemm_planned(g, epi, plan, sp, sm_count(), stream), op);
 }
 
 // An operand [rows, k] stored as the transpose of a matrix with 16-byte aligned rows: the bulk
@@ -51,7 +54,7 @@ int64_t leading_rows(const at::Tensor& t) {
 }  // namespace
 
 void gemm_into(const at::Tensor& a, const at::Tensor& b, at::Tensor& out,
-               const std::optional<at::Tensor>& bias, bool accumulate, const char* op) {
+               const std::optional<at::Tensor>& bias, bool accumulate, const char* op, bool split_k) {
   const int64_t m = a.size(0), n = b.size(0), k = a.size(1);
   TORCH_CHECK(m <= INT_MAX && n <= INT_MAX && k <= INT_MAX, op, ": dimensions beyond 2^31 - 1");
   TORCH_INTERNAL_ASSERT(out.size(0) == m && out.size(1) == n && out.stride(1) == 1 && b.size(1) == k);
@@ -64,8 +67,11 @@ void gemm_into(const at::Tensor& a, const at::Tensor& b, at::Tensor& out,
   GemmOperands g{nullptr, 0, nullptr, 0, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
                  tensor_cores ? dtype_of(a.scalar_type()) : DType::kF32};
   at::Tensor a2, b2;
+  GemmPlan plan{};
   if (tensor_cores) {
-    const bool in_place = gemm_reads_mn_major(choose_gemm_tile(g.m, g.n, sm_count()));
+    plan = split_k ? plan_det_gemm(g.m, g.n, g.k, sm_count())
+                   : GemmPlan{choose_gemm_tile(g.m, g.n, sm_count()), gemm_no_split(g.k), 0};
+    const bool in_place = gemm_reads_mn_major(plan.tile);
     g.b_mn = in_place && mn_major_view(b);
     g.a_mn = g.b_mn && mn_major_view(a);
     a2 = g.a_mn ? a : k_major(a, op);
@@ -84,9 +90,9 @@ void gemm_into(const at::Tensor& a, const at::Tensor& b, at::Tensor& out,
   if (bias.has_value()) bf = bias->to(at::kFloat).contiguous();
   const float* bp = bias.has_value() ? bf.data_ptr<float>() : nullptr;
   switch (out.scalar_type()) {
-    case at::kBFloat16: gemm_store<__nv_bfloat16>(g, out, bp, accumulate, op); break;
-    case at::kHalf: gemm_store<__half>(g, out, bp, accumulate, op); break;
-    case at::kFloat: gemm_store<float>(g, out, bp, accumulate, op); break;
+    case at::kBFloat16: gemm_store<__nv_bfloat16>(g, plan, out, bp, accumulate, op); break;
+    case at::kHalf: gemm_store<__half>(g, plan, out, bp, accumulate, op); break;
+    case at::kFloat: gemm_store<float>(g, plan, out, bp, accumulate, op); break;
     default: TORCH_CHECK(false, op, ": unsupported output dtype ", out.scalar_type());
   }
 }

@@ -173,7 +173,7 @@ std::tuple<at::Tensor, at::Tensor> linear_logp_backward(const at::Tensor& grad_l
     const int64_t vc = std::min(kBackwardChunk, v_local - c0);
     const auto wc = ws.narrow(0, c0, vc);
     auto lg = logits.narrow(1, 0, vc);
-    gemm_into(hs, wc, lg, std::nullopt, false, op);
+    gemm_into(hs, wc, lg, std::nullopt, false, op, /*split_k=*/false);  // the forward's logits
     auto dl = at::empty({t_dim, round_up(vc, align)}, hidden.options().dtype(dtype));
     switch (dtype) {
       case at::kBFloat16: launch_dlogit<__nv_bfloat16>(lg, vocab_start + c0, tgt, l, g, dl, op); break;

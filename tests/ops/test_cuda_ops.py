@@ -74,6 +74,38 @@ def test_det_gemm_every_tile_gives_the_same_bits(ops):
                 assert torch.equal(out, y[off:off + m, :n]), (n, m, off)
 
 
+def gemm_split(n, k):
+    """choose_gemm_split of det_gemm.cuh: the K ranges' count and length (in K elements). Up to
+    N = 3072, about 6144 / N ranges (at most 8) of whole 256-wide units; wider N, one range."""
+    units = -(-k // 256)
+    want = min(1 if n > 3072 else -(-6144 // n), 8, units)
+    per = -(-units // want)
+    return -(-units // per), 256 * per
+
+
+@pytest.mark.parametrize("n, k", [(1024, 4096), (2560, 2600), (1000, 520)])
+def test_det_gemm_adds_its_k_ranges_in_order(ops, n, k):
+    """Every row of det_gemm is its K ranges' sums added in range order, then rounded once: the
+    same bits whether the ranges meet across CTAs (small M) or in one CTA (large M). Each range's
+    sum is taken from det_gemm_grad_weight (fp32 out) on a 4096-row weight, whose K is one range."""
+    splits, span = gemm_split(n, k)
+    assert splits > 1
+    x, w, bias = randn(8192, k, seed=31), randn(n, k, seed=32), randn(n, seed=33)
+    wide = torch.cat([w, torch.zeros(4096 - n, k, dtype=w.dtype, device=DEV)])
+    total = None
+    for s in range(splits):
+        ks = slice(s * span, min(k, (s + 1) * span))
+        part = ops.det_gemm_grad_weight(x[:, ks].T, wide[:, ks].T)[:, :n]  # [8192, n] fp32
+        total = part if total is None else total + part
+    y = ops.det_gemm(x, w, None)
+    assert torch.equal(y, total.to(torch.bfloat16))
+    for m in (1, 3, 8, 17, 32, 64, 256, 1000, 4097):
+        for off in (0, 8192 - m):
+            assert torch.equal(ops.det_gemm(x[off:off + m], w, None), y[off:off + m]), (m, off)
+    assert torch.equal(ops.det_gemm(x[:300], w, bias), (total[:300] + bias.float()).to(torch.bfloat16))
+    assert rel(y, x.double() @ w.double().T) < REL[torch.bfloat16]
+
+
 def test_det_gemm_reads_its_inputs_only_once_they_are_written(ops):
     """A det_gemm launch may start while the kernel before it still runs (programmatic dependent
     launch) and must wait for it before touching memory. Chains in which every GEMM reads the

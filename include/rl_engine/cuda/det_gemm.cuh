@@ -1,13 +1,18 @@
 // Batch-invariant GEMM C[m, n] = sum_k A[m, k] B[n, k] for Hopper (sm_90a), operands K-major, or
 // MN-major (stored transposed) where the backward products pass them so (gemm_reads_mn_major).
 //
-// The reduction order is one for every shape: K walked in 64-wide blocks from 0 upwards, each block
-// four wgmma k16 steps into one fp32 accumulator, zero-filled past K; no split-K, no stream-K, no
-// atomic. What changes with the shape is only the output tile (picked by choose_gemm_tile), whether
-// the tile is swapped (B's rows as its rows), and how many K blocks one shared-memory stage holds: a
-// row's bits depend only on that row and B, not on M, on the row's position, on the tile or on the
-// grid. A swapped tile gives an element the same k16 steps with the operands' roles exchanged, and
-// the products are exact in fp32, so it gives the same bits (the row tests hold it to that).
+// The reduction order depends only on N and K (choose_gemm_split): K is cut into `splits` ranges of
+// whole 256-wide units; each range is walked in 64-wide blocks from its start, each block four wgmma
+// k16 steps into an fp32 accumulator that starts at zero (zero-filled past K), and the ranges' sums
+// are added in range order, ((p0 + p1) + p2) ..., before the epilogue. No stream-K, no atomic. What
+// changes with M is only the output tile (choose_gemm_tile), whether the tile is swapped (B's rows as
+// its rows), how many K blocks one shared-memory stage holds, and where the range sums meet: in the
+// CTA that computed them all (one range after the other, the running sum parked in a scratch slot
+// of its own), or, where the tiles are too few to fill the SMs, in separate CTAs that write them to
+// a workspace that one more kernel adds up (plan_det_gemm). So a row's bits depend only on that row
+// and B, not on M, on the row's position, on the tile or on the grid. A swapped tile gives an
+// element the same k16 steps with the operands' roles exchanged, and the products are exact in fp32,
+// so it gives the same bits (the row tests hold it to that).
 //
 // The grid is persistent (tiles strided over CTAs); warpgroup 0 is the producer (one thread issues
 // bulk tensor copies into a ring of shared-memory stages guarded by mbarriers), each consumer
@@ -83,6 +88,57 @@ __device__ __forceinline__ void gemm_tile_coords(int tile, int m_blocks, int n_b
   nb = local / rows;
 }
 
+// How K is reduced: `splits` ranges of `blocks` K blocks each (the last one shorter), see
+// choose_gemm_split. across: each CTA computes one range of a tile and the epilogue (given the range
+// through its for_split) writes that range's sum; otherwise a CTA computes every range of its tile in
+// order and parks the running sum in `scratch` (kBM x kBN floats a CTA) between ranges.
+struct GemmSplit {
+  int splits, blocks;
+  bool across;
+  float* scratch;
+  int items;  // set by the launch: tiles, or tiles x splits when across (read from the parameter
+              // space, it costs the producer's few registers nothing)
+};
+
+// The epilogue of range s of a split reduced across CTAs (the workspace slice of that range).
+template <typename Epi, typename = void>
+struct HasForSplit : std::false_type {};
+template <typename Epi>
+struct HasForSplit<Epi, std::void_t<decltype(std::declval<const Epi&>().for_split(0))>> : std::true_type {};
+template <typename Epi>
+__device__ __forceinline__ Epi epilogue_for_split(const Epi& epi, int s) {
+  if constexpr (HasForSplit<Epi>::value) {
+    return epi.for_split(s);
+  } else {
+    return epi;
+  }
+}
+
+// The running sum of a tile's K ranges in a consumer thread's parking slot (`slot` numbers the
+// consumer warpgroups of the grid): acc = parked + acc when `add` (the range is not the tile's
+// first), then, when `park`, the sum goes back to the slot and acc restarts from zero.
+template <int kBN>
+__device__ __forceinline__ void join_parked(float (&acc)[kBN / 2], const GemmSplit& split, int slot,
+                                            int tid, bool add, bool park) {
+#pragma unroll
+  for (int i = 0; i < kBN / 2; ++i) ptx::reg_fence(acc[i]);
+  float4* parked = reinterpret_cast<float4*>(split.scratch) + static_cast<int64_t>(slot) * 128 * (kBN / 8) + tid;
+#pragma unroll
+  for (int q = 0; q < kBN / 8; ++q) {
+    if (add) {
+      const float4 p = parked[q * 128];
+      acc[4 * q] = __fadd_rn(p.x, acc[4 * q]);
+      acc[4 * q + 1] = __fadd_rn(p.y, acc[4 * q + 1]);
+      acc[4 * q + 2] = __fadd_rn(p.z, acc[4 * q + 2]);
+      acc[4 * q + 3] = __fadd_rn(p.w, acc[4 * q + 3]);
+    }
+    if (park) {
+      parked[q * 128] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+      acc[4 * q] = acc[4 * q + 1] = acc[4 * q + 2] = acc[4 * q + 3] = 0.f;
+    }
+  }
+}
+
 // Fragment layout of one consumer (m64nBN fp32): thread t of the warpgroup holds, for each 8-column
 // block j, acc[4j + 2h + e] = C[row0 + 16 (t / 32) + (t % 32) / 4 + 8h, col0 + 8j + 2 (t % 4) + e].
 // A tile of kBM < 64 rows (16 or 32) still runs m64 wgmma: its rows past kBM read whatever follows
@@ -93,7 +149,8 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
                                   gemm_cfg::gemm_max_occupancy(kBM > 64 ? 2 : 1, kBN))
     rlk_det_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                              const __grid_constant__ CUtensorMap map_b, int m, int n, int k,
-                             const GemmRing ring, const Epi epi, bool stream_dependents) {
+                             const GemmRing ring, const Epi epi, bool stream_dependents,
+                             const GemmSplit split) {
   using namespace gemm_cfg;
   constexpr int kConsumers = kBM > 64 ? 2 : 1;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -116,7 +173,13 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
   ptx::grid_dependency_wait();
 
   const int m_blocks = (m + kBM - 1) / kBM, n_blocks = (n + kBN - 1) / kBN;
-  const int tiles = m_blocks * n_blocks, k_iters = (k + kBK - 1) / kBK;
+  const int k_iters = (k + kBK - 1) / kBK;
+  // A work item is a tile, or a (tile, range) pair where the ranges go to separate CTAs.
+  auto ranges = [&](int item, int& tile, int& first, int& end) {
+    tile = split.across ? item / split.splits : item;
+    first = split.across ? item % split.splits : 0;
+    end = split.across ? first + 1 : split.splits;
+  };
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
   const uint32_t b_off = kSubs * ring.a_bytes;
 
@@ -125,10 +188,13 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
     if (tid != 0) return;
     int s = 0;
     uint32_t phase = 0;
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    for (int item = blockIdx.x; item < split.items; item += gridDim.x) {
+      const int tile = split.across ? item / split.splits : item;
       int mb, nb;
       gemm_tile_coords(tile, m_blocks, n_blocks, mb, nb);
-      for (int kb = 0; kb < k_iters; kb += kSubs) {
+      // One range, or all of K (ranges hold whole multiples of 4 K blocks, so a stage never
+      // straddles two of them). One thread of 24 registers runs this loop: it keeps little state.
+      for (int kb = split.across ? (item - tile * split.splits) * split.blocks : 0; kb < k_iters;) {
         ptx::mbar_wait(empty(s), phase ^ 1u);  // first pass: the slot starts free
         ptx::mbar_arrive_expect_tx(full(s), ring.stage_bytes);
         const uint32_t st = base + s * ring.stage_bytes;
@@ -147,6 +213,8 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
           }
         }
         if (++s == ring.stages) s = 0, phase ^= 1u;
+        kb += kSubs;
+        if (split.across && kb % split.blocks == 0) break;  // the end of this item's range
       }
     }
     // A weight stream's CTAs all end at about the same time: once its last copy is issued, the
@@ -162,13 +230,15 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
   float acc[kBN / 2];
   int s = 0;
   uint32_t phase = 0;
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    int mb, nb;
+  for (int item = blockIdx.x; item < split.items; item += gridDim.x) {
+    int tile, first, end, mb, nb;
+    ranges(item, tile, first, end);
     gemm_tile_coords(tile, m_blocks, n_blocks, mb, nb);
 #pragma unroll
     for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.f;
     int held = -1;  // the stage whose products may still be in flight
-    for (int kb = 0; kb < k_iters; kb += kSubs) {
+    const int kb_end = min(k_iters, end * split.blocks);
+    for (int kb = first * split.blocks; kb < kb_end;) {
       ptx::mbar_wait(full(s), phase);
       const uint32_t st = base + s * ring.stage_bytes;
       ptx::wgmma_fence();
@@ -191,13 +261,29 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
       if (held >= 0 && tid == 0) ptx::mbar_arrive(empty(held));
       held = s;
       if (++s == ring.stages) s = 0, phase ^= 1u;
+      kb += kSubs;
+      // A range of a tile whose ranges all run here ends before the tile does: its sum joins the
+      // running sum of the ranges before it and is parked in this thread's own slot (float4 q at
+      // [q][thread], coalesced; its stores are visible to its later loads without a fence), and the
+      // accumulator starts again from zero. The last range's sum joins in after the loop.
+      if (kb < kb_end && kb % split.blocks == 0) {
+        ptx::wgmma_wait<0>();
+        if (tid == 0) ptx::mbar_arrive(empty(held));
+        held = -1;
+        join_parked<kBN>(acc, split, kConsumers * blockIdx.x + c, tid, kb > split.blocks, true);
+      }
     }
     ptx::wgmma_wait<0>();
     if (held >= 0 && tid == 0) ptx::mbar_arrive(empty(held));
+    if (!split.across && kb_end > split.blocks) join_parked<kBN>(acc, split, kConsumers * blockIdx.x + c, tid, true, false);
 #pragma unroll
     for (int i = 0; i < kBN / 2; ++i) ptx::reg_fence(acc[i]);
     const int row_end = (mb + 1) * kBM < m ? (mb + 1) * kBM : m;
-    epi(acc, mb * kBM + c * 64, nb * kBN, row_end, n);
+    if (split.across) {
+      epilogue_for_split(epi, first)(acc, mb * kBM + c * 64, nb * kBN, row_end, n);
+    } else {
+      epi(acc, mb * kBM + c * 64, nb * kBN, row_end, n);
+    }
   }
 }
 
@@ -255,6 +341,13 @@ struct StoreEpilogue {
   bool accumulate;
   bool pairs;  // ldo even and out aligned: adjacent columns go out in one store
   bool rows16;  // 16-bit Out, ldo a multiple of 8 and out 16-byte aligned: 8 columns in one store
+  int64_t split_stride = 0;  // a workspace of range sums: elements from one range's slice to the next
+
+  __host__ __device__ StoreEpilogue for_split(int s) const {
+    StoreEpilogue e = *this;
+    e.out += s * split_stride;
+    return e;
+  }
 
   __device__ __forceinline__ void store_pair(int row, int col, float v0, float v1, int m, int n) const {
     if (row >= m || col >= n) return;
@@ -346,6 +439,8 @@ struct SwapEpilogue {
   static constexpr bool kAnyWidth = true;
   Epi inner;
 
+  __device__ __forceinline__ SwapEpilogue for_split(int s) const { return {epilogue_for_split(inner, s)}; }
+
   template <int kA>
   __device__ __forceinline__ void operator()(const float (&acc)[kA], int row0, int col0, int m,
                                              int n) const {
@@ -361,6 +456,27 @@ struct SwapEpilogue {
     }
   }
 };
+
+// The range sums of a split reduced across CTAs (workspace [splits][m][n] fp32), added in range
+// order, through the det_gemm epilogue: the same additions as a CTA that computes every range.
+template <typename Epi>
+__global__ void __launch_bounds__(256)
+    rlk_det_gemm_combine_kernel(const float* __restrict__ ws, int splits, int m, int n, const Epi epi) {
+  ptx::grid_dependency_wait();  // the range sums come from the kernel just before
+  const int64_t half = (n + 1) / 2, mn = static_cast<int64_t>(m) * n;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < m * half;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int row = static_cast<int>(i / half), col = static_cast<int>(i % half) * 2;
+    const float* p = ws + static_cast<int64_t>(row) * n + col;
+    const bool two = col + 1 < n;
+    float v0 = p[0], v1 = two ? p[1] : 0.f;
+    for (int s = 1; s < splits; ++s) {
+      v0 = __fadd_rn(v0, p[s * mn]);
+      if (two) v1 = __fadd_rn(v1, p[s * mn + 1]);
+    }
+    epi.store_pair(row, col, v0, v1, m, n);
+  }
+}
 
 // Host side. Operands: A [m, k] and B [n, k] with leading dimensions lda, ldb (elements). An
 // operand marked MN-major is stored as its transpose (A as [k, m], B as [k, n], ld between K rows):
@@ -514,14 +630,62 @@ inline GemmTile choose_gemm_tile(int m, int n, int num_sms) {
 // (tests/ops/test_cuda_ops.py holds the two to torch.equal on every tile).
 inline bool gemm_reads_mn_major(const GemmTile& t) { return !t.swap && t.bn >= 128 && t.bn % 64 == 0; }
 
+// The one split choice of det_gemm: how many ranges K is cut into, from N and K alone (never M), in
+// whole units of 4 K blocks so that no shared-memory stage straddles two ranges. A row's K chain
+// is a sequence of dependent wgmma k16 steps, about 80 cycles each on an H200 whatever the tile
+// (measured at M <= 32 over benchmarks/hopper_ops.py's shapes: K / 16 steps set the time wherever
+// N K 2 bytes of weight stream faster than that, which is below N of about 6000). Up to N = 3072
+// the chain is cut in up to 8 ranges, about 6144 / N of them; wider weights are left in one range,
+// since parking the running sum between ranges costs the large-M tiles a few per cent.
+inline GemmSplit choose_gemm_split(int n, int k) {
+  const int units = (k + 4 * gemm_cfg::kBK - 1) / (4 * gemm_cfg::kBK);
+  int want = n > 3072 ? 1 : (6144 + n - 1) / n;
+  want = want < 8 ? want : 8;
+  want = want < units ? want : units;
+  const int per = (units + want - 1) / want;
+  return {(units + per - 1) / per, 4 * per, false, nullptr, 0};
+}
+
+// The layout of one det_gemm launch: its tile, its split, and the fp32 scratch it needs.
+struct GemmPlan {
+  GemmTile tile;
+  GemmSplit split;
+  int64_t scratch_floats;
+};
+
+// A split K is reduced across CTAs for the weight stream of a swapped tile, and up to M = 256 where
+// the unsplit tiles make at most one wave: there a CTA's time is its K chain (measured: Qwen3-4B's
+// down projection takes the same 29 us at M = 1, 64 and 128). Each (tile, range) is a CTA, the tile
+// chosen as for N times the ranges, and a workspace of splits x M x N floats holds the range sums.
+// From M = 1024 the tiles are compute bound and that workspace's traffic (2 splits M N 4 bytes)
+// would cost more than shorter chains win, so each CTA runs its tiles' ranges one after the other
+// on the tile choose_gemm_tile picks, with a parking slot of one tile of floats per resident CTA.
+inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms) {
+  GemmPlan p{choose_gemm_tile(m, n, num_sms), choose_gemm_split(n, k), 0};
+  if (p.split.splits == 1) return p;
+  const GemmTile& t = p.tile;
+  const int64_t tiles = static_cast<int64_t>((m + t.bm - 1) / t.bm) * ((n + t.bn - 1) / t.bn);
+  if (t.swap || (m <= 256 && tiles <= num_sms)) {
+    p.tile = choose_gemm_tile(m, n * p.split.splits, num_sms);
+    p.split.across = true;
+    p.scratch_floats = static_cast<int64_t>(p.split.splits) * m * n;
+    return p;
+  }
+  const GemmRing ring = gemm_ring(t.bm, t.bn, gemm_tile_subs(t.bm, t.bn, false), m, tiles, num_sms);
+  const int64_t grid = tiles < ring.occupancy * num_sms ? tiles : ring.occupancy * num_sms;
+  p.scratch_floats = grid * (t.bm > 64 ? 128 : 64) * t.bn;
+  return p;
+}
+
 template <int kBM, int kBN, int kSubs, bool kTA, bool kTB, typename Epi>
-cudaError_t launch_det_gemm_grid(const GemmOperands& op, const Epi& epi, int num_sms,
-                                 bool stream_dependents, cudaStream_t stream) {
+cudaError_t launch_det_gemm_grid(const GemmOperands& op, const Epi& epi, const GemmSplit& split,
+                                 int num_sms, bool stream_dependents, cudaStream_t stream) {
   using namespace gemm_cfg;
   if (op.m <= 0 || op.n <= 0) return cudaSuccess;
   const int64_t tiles = static_cast<int64_t>((op.m + kBM - 1) / kBM) * ((op.n + kBN - 1) / kBN);
+  const int64_t items = split.across ? tiles * split.splits : tiles;
   // An MN-major A always takes whole 64-row panels (zero-filled past m).
-  const GemmRing ring = gemm_ring(kBM, kBN, kSubs, kTA && op.m < kBM ? kBM : op.m, tiles, num_sms);
+  const GemmRing ring = gemm_ring(kBM, kBN, kSubs, kTA && op.m < kBM ? kBM : op.m, items, num_sms);
   CUtensorMap map_a, map_b;
   cudaError_t e = kTA ? encode_tma_2d(&map_a, op.a, op.dtype, op.k, op.m, op.lda, kBK)
                       : encode_tma_2d(&map_a, op.a, op.dtype, op.m, op.k, op.lda, ring.a_rows);
@@ -535,7 +699,7 @@ cudaError_t launch_det_gemm_grid(const GemmOperands& op, const Epi& epi, int num
   const int smem = ring.stages * static_cast<int>(ring.stage_bytes) + kOverhead;
   e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
-  const int grid = tiles < ring.occupancy * num_sms ? static_cast<int>(tiles) : ring.occupancy * num_sms;
+  const int grid = items < ring.occupancy * num_sms ? static_cast<int>(items) : ring.occupancy * num_sms;
   // Programmatic stream serialization (see the top of this file).
   cudaLaunchAttribute pdl[1];
   pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -547,7 +711,10 @@ cudaError_t launch_det_gemm_grid(const GemmOperands& op, const Epi& epi, int num
   cfg.stream = stream;
   cfg.attrs = pdl;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, map_a, map_b, op.m, op.n, op.k, ring, epi, stream_dependents);
+  GemmSplit work = split;
+  work.items = static_cast<int>(items);
+  return cudaLaunchKernelEx(&cfg, kernel, map_a, map_b, op.m, op.n, op.k, ring, epi, stream_dependents,
+                            work);
 }
 
 template <typename Epi, typename = void>
@@ -557,69 +724,105 @@ struct AnyWidth<Epi, std::void_t<decltype(Epi::kAnyWidth)>> : std::bool_constant
 
 // One tile: a swapped one launches B as the rows and A as the columns.
 template <int kBM, int kBN, bool kSwap, typename Epi>
-cudaError_t launch_det_gemm_tile(const GemmOperands& op, const Epi& epi, int num_sms,
-                                 cudaStream_t stream) {
+cudaError_t launch_det_gemm_tile(const GemmOperands& op, const Epi& epi, const GemmSplit& split,
+                                 int num_sms, cudaStream_t stream) {
   constexpr int kSubs = gemm_tile_subs(kBM, kBN, kSwap);
   if constexpr (kSwap) {
     if (op.a_mn || op.b_mn) return cudaErrorInvalidValue;  // see gemm_reads_mn_major
     const GemmOperands t{op.b, op.ldb, op.a, op.lda, op.n, op.m, op.k, op.dtype};
-    return launch_det_gemm_grid<kBM, kBN, kSubs, false, false>(t, SwapEpilogue<Epi>{epi}, num_sms, true, stream);
+    return launch_det_gemm_grid<kBM, kBN, kSubs, false, false>(t, SwapEpilogue<Epi>{epi}, split, num_sms,
+                                                               true, stream);
   } else if constexpr (kBN >= 128 && kBN % 64 == 0 && AnyWidth<Epi>::value) {
     if (op.a_mn && op.b_mn) {
-      return launch_det_gemm_grid<kBM, kBN, kSubs, true, true>(op, epi, num_sms, false, stream);
+      return launch_det_gemm_grid<kBM, kBN, kSubs, true, true>(op, epi, split, num_sms, false, stream);
     }
     if (op.a_mn) return cudaErrorInvalidValue;
-    if (op.b_mn) return launch_det_gemm_grid<kBM, kBN, kSubs, false, true>(op, epi, num_sms, false, stream);
-    return launch_det_gemm_grid<kBM, kBN, kSubs, false, false>(op, epi, num_sms, false, stream);
+    if (op.b_mn) return launch_det_gemm_grid<kBM, kBN, kSubs, false, true>(op, epi, split, num_sms, false, stream);
+    return launch_det_gemm_grid<kBM, kBN, kSubs, false, false>(op, epi, split, num_sms, false, stream);
   } else {
     if (op.a_mn || op.b_mn) return cudaErrorInvalidValue;
-    return launch_det_gemm_grid<kBM, kBN, kSubs, false, false>(op, epi, num_sms, false, stream);
+    return launch_det_gemm_grid<kBM, kBN, kSubs, false, false>(op, epi, split, num_sms, false, stream);
   }
 }
 
 template <int kBM, typename Epi>
-cudaError_t launch_det_gemm_swapped(int bn, const GemmOperands& op, const Epi& epi, int num_sms,
-                                    cudaStream_t stream) {
+cudaError_t launch_det_gemm_swapped(int bn, const GemmOperands& op, const Epi& epi, const GemmSplit& split,
+                                    int num_sms, cudaStream_t stream) {
   switch (bn) {
-    case 8: return launch_det_gemm_tile<kBM, 8, true>(op, epi, num_sms, stream);
-    case 16: return launch_det_gemm_tile<kBM, 16, true>(op, epi, num_sms, stream);
-    case 32: return launch_det_gemm_tile<kBM, 32, true>(op, epi, num_sms, stream);
-    default: return launch_det_gemm_tile<kBM, 64, true>(op, epi, num_sms, stream);
+    case 8: return launch_det_gemm_tile<kBM, 8, true>(op, epi, split, num_sms, stream);
+    case 16: return launch_det_gemm_tile<kBM, 16, true>(op, epi, split, num_sms, stream);
+    case 32: return launch_det_gemm_tile<kBM, 32, true>(op, epi, split, num_sms, stream);
+    default: return launch_det_gemm_tile<kBM, 64, true>(op, epi, split, num_sms, stream);
   }
 }
 
-// det_gemm on the tile choose_gemm_tile picks; an epilogue written for the 64 x 256 fragment alone
-// (linear_logp's) always gets the 128 x 256 tile.
+// det_gemm on tile t (one choose_gemm_tile can return).
+template <typename Epi>
+cudaError_t launch_det_gemm_on(const GemmTile& t, const GemmOperands& op, const Epi& epi,
+                               const GemmSplit& split, int num_sms, cudaStream_t stream) {
+  if (t.swap) {
+    switch (t.bm) {
+      case 64: return launch_det_gemm_swapped<64>(t.bn, op, epi, split, num_sms, stream);
+      case 32: return launch_det_gemm_swapped<32>(t.bn, op, epi, split, num_sms, stream);
+      default: return launch_det_gemm_swapped<16>(t.bn, op, epi, split, num_sms, stream);
+    }
+  }
+  if (t.bm == 64) {
+    switch (t.bn) {
+      case 128: return launch_det_gemm_tile<64, 128, false>(op, epi, split, num_sms, stream);
+      case 64: return launch_det_gemm_tile<64, 64, false>(op, epi, split, num_sms, stream);
+      default: return launch_det_gemm_tile<64, 32, false>(op, epi, split, num_sms, stream);
+    }
+  }
+  switch (t.bn) {
+    case 256: return launch_det_gemm_tile<128, 256, false>(op, epi, split, num_sms, stream);
+    case 192: return launch_det_gemm_tile<128, 192, false>(op, epi, split, num_sms, stream);
+    case 160: return launch_det_gemm_tile<128, 160, false>(op, epi, split, num_sms, stream);
+    case 128: return launch_det_gemm_tile<128, 128, false>(op, epi, split, num_sms, stream);
+    case 64: return launch_det_gemm_tile<128, 64, false>(op, epi, split, num_sms, stream);
+    default: return launch_det_gemm_tile<128, 32, false>(op, epi, split, num_sms, stream);
+  }
+}
+
+// K in one range: the order of an epilogue that is not split (linear_logp's fused tiles).
+inline GemmSplit gemm_no_split(int k) { return {1, (k + gemm_cfg::kBK - 1) / gemm_cfg::kBK, false, nullptr, 0}; }
+
+// An epilogue written for the 64 x 256 fragment alone (linear_logp's) on the 128 x 256 tile, K
+// unsplit.
 template <typename Epi>
 cudaError_t launch_det_gemm_sm90(const GemmOperands& op, const Epi& epi, int num_sms,
                                  cudaStream_t stream) {
-  if constexpr (!AnyWidth<Epi>::value) {
-    return launch_det_gemm_tile<128, 256, false>(op, epi, num_sms, stream);
-  } else {
-    const GemmTile t = choose_gemm_tile(op.m, op.n, num_sms);
-    if (t.swap) {
-      switch (t.bm) {
-        case 64: return launch_det_gemm_swapped<64>(t.bn, op, epi, num_sms, stream);
-        case 32: return launch_det_gemm_swapped<32>(t.bn, op, epi, num_sms, stream);
-        default: return launch_det_gemm_swapped<16>(t.bn, op, epi, num_sms, stream);
-      }
-    }
-    if (t.bm == 64) {
-      switch (t.bn) {
-        case 128: return launch_det_gemm_tile<64, 128, false>(op, epi, num_sms, stream);
-        case 64: return launch_det_gemm_tile<64, 64, false>(op, epi, num_sms, stream);
-        default: return launch_det_gemm_tile<64, 32, false>(op, epi, num_sms, stream);
-      }
-    }
-    switch (t.bn) {
-      case 256: return launch_det_gemm_tile<128, 256, false>(op, epi, num_sms, stream);
-      case 192: return launch_det_gemm_tile<128, 192, false>(op, epi, num_sms, stream);
-      case 160: return launch_det_gemm_tile<128, 160, false>(op, epi, num_sms, stream);
-      case 128: return launch_det_gemm_tile<128, 128, false>(op, epi, num_sms, stream);
-      case 64: return launch_det_gemm_tile<128, 64, false>(op, epi, num_sms, stream);
-      default: return launch_det_gemm_tile<128, 32, false>(op, epi, num_sms, stream);
-    }
-  }
+  static_assert(!AnyWidth<Epi>::value, "det_gemm's own epilogue launches through its plan");
+  return launch_det_gemm_tile<128, 256, false>(op, epi, gemm_no_split(op.k), num_sms, stream);
+}
+
+// det_gemm as plan_det_gemm(op.m, op.n, op.k, num_sms) laid it out, into epi (a StoreEpilogue);
+// scratch holds plan.scratch_floats floats (null when that is 0). Split across CTAs, the tiles
+// write their range sums to scratch and rlk_det_gemm_combine_kernel adds them up into epi.
+template <typename Out>
+cudaError_t launch_det_gemm_planned(const GemmOperands& op, const StoreEpilogue<Out>& epi,
+                                    const GemmPlan& plan, float* scratch, int num_sms, cudaStream_t stream) {
+  GemmSplit split = plan.split;
+  split.scratch = scratch;
+  if (!split.across) return launch_det_gemm_on(plan.tile, op, epi, split, num_sms, stream);
+  if (op.m <= 0 || op.n <= 0) return cudaSuccess;
+  const int64_t mn = static_cast<int64_t>(op.m) * op.n;
+  const StoreEpilogue<float> sums{scratch, op.n, nullptr, false, op.n % 2 == 0, false, mn};
+  cudaError_t e = launch_det_gemm_on(plan.tile, op, sums, split, num_sms, stream);
+  if (e != cudaSuccess) return e;
+  const int64_t pairs = static_cast<int64_t>(op.m) * ((op.n + 1) / 2);
+  cudaLaunchAttribute pdl[1];
+  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  const int64_t blocks = (pairs + 255) / 256;
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks < 8 * num_sms ? blocks : 8 * num_sms));
+  cfg.blockDim = dim3(256);
+  cfg.stream = stream;
+  cfg.attrs = pdl;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, rlk_det_gemm_combine_kernel<StoreEpilogue<Out>>, static_cast<const float*>(scratch),
+                            split.splits, op.m, op.n, epi);
 }
 
 template <typename Epi>
