@@ -52,26 +52,30 @@ def test_det_gemm_rows_do_not_depend_on_batch_or_position(ops, dtype):
     assert torch.equal(ops.det_gemm(x[5:6], w, bias), yb[5:6])
 
 
-# With M x N over this grid, choose_gemm_tile on a 132-SM H200 picks every tile it can pick: swapped
+# With M x N over this grid, plan_det_gemm on a 132-SM H200 picks every tile it can pick: swapped
 # slabs of 16 and 32 weight rows by 8, 16, 32 and 64 tokens and of 64 rows by 8, 16 and 32 tokens
 # (1, 2 or 4 CTAs an SM, M below the token width), 64 rows by 32, 64 and 128 columns, 128 rows by
-# 32, 64, 128, 160, 192 and 256 columns; rows that start mid-tile too.
+# 32, 64, 128, 160, 192 and 256 columns; rows that start mid-tile too. Up to N = 3072 K is split
+# (4 ranges at N = 1024, 2 from 2048): the ranges meet across CTAs up to M = 256, and within a CTA
+# above, on every tile that keeps a second accumulator (128 rows by 32 at M = 300, by 64 at 520, by
+# 128 and 160; 64 rows by 32 and 64).
 GEMM_TILE_NS = (1024, 2048, 2176, 2560, 4096, 8448, 16896, 33792)
-GEMM_ROW_MS = (1, 2, 3, 4, 8, 16, 17, 32, 40, 64, 65, 128, 192, 256, 1000, 1024, 4096, 4097, 8192)
+GEMM_ROW_MS = (1, 2, 3, 4, 8, 16, 17, 32, 40, 64, 65, 128, 192, 256, 300, 520, 1000, 1024, 4096, 4097,
+               8192)
 
 
 def test_det_gemm_every_tile_gives_the_same_bits(ops):
     k = 1000  # 16 K blocks, not a multiple of the 2 or 4 blocks a narrow tile's stage holds
     x, w = randn(8192, k, seed=11), randn(max(GEMM_TILE_NS), k, seed=12)
-    y = ops.det_gemm(x, w, None)  # 128 x 256 tiles, the large-M kernel
-    assert rel(y[:64], x[:64].double() @ w.double().T) < REL[torch.bfloat16]
     for n in GEMM_TILE_NS:
+        y = ops.det_gemm(x, w[:n], None)  # the large-M tiles; the order depends on N and K alone
+        assert rel(y[:64], x[:64].double() @ w[:n].double().T) < REL[torch.bfloat16]
         for m in GEMM_ROW_MS:
             for off in sorted({0, 1, 8192 - m}):
                 if off + m > 8192:
                     continue
                 out = ops.det_gemm(x[off:off + m], w[:n], None)
-                assert torch.equal(out, y[off:off + m, :n]), (n, m, off)
+                assert torch.equal(out, y[off:off + m]), (n, m, off)
 
 
 def gemm_split(n, k):
@@ -171,7 +175,7 @@ def test_det_gemm_backward_reads_transposed_operands_with_the_same_bits(ops):
         g, x = randn(rows, n, seed=15), randn(rows, k, seed=16)
         dw = ops.det_gemm_grad_weight(g, x)
         assert torch.equal(dw, ops.det_gemm_grad_weight(pitched(g), pitched(x))), (rows, n, k)
-        assert torch.equal(dw[:, :64], ops.det_gemm_grad_weight(g, x[:, :64])), (rows, n, k)
+        assert torch.equal(dw[:64], ops.det_gemm_grad_weight(g[:, :64], x)), (rows, n, k)
     assert rel(dw, g.double().T @ x.double()) < 1e-5
 
 

@@ -7,8 +7,8 @@
 // are added in range order, ((p0 + p1) + p2) ..., before the epilogue. No stream-K, no atomic. What
 // changes with M is only the output tile (choose_gemm_tile), whether the tile is swapped (B's rows as
 // its rows), how many K blocks one shared-memory stage holds, and where the range sums meet: in the
-// CTA that computed them all (one range after the other, the running sum parked in a scratch slot
-// of its own), or, where the tiles are too few to fill the SMs, in separate CTAs that write them to
+// CTA that computed them all (one range after the other, the running sum in a second set of
+// registers), or, where the tiles are too few to fill the SMs, in separate CTAs that write them to
 // a workspace that one more kernel adds up (plan_det_gemm). So a row's bits depend only on that row
 // and B, not on M, on the row's position, on the tile or on the grid. A swapped tile gives an
 // element the same k16 steps with the operands' roles exchanged, and the products are exact in fp32,
@@ -90,8 +90,8 @@ __device__ __forceinline__ void gemm_tile_coords(int tile, int m_blocks, int n_b
 
 // How K is reduced: `splits` ranges of `blocks` K blocks each (the last one shorter), see
 // choose_gemm_split. across: each CTA computes one range of a tile and the epilogue (given the range
-// through its for_split) writes that range's sum; otherwise a CTA computes every range of its tile in
-// order and parks the running sum in `scratch` (kBM x kBN floats a CTA) between ranges.
+// through its for_split) writes that range's sum to the workspace `scratch`; otherwise a CTA
+// computes every range of its tile in order, its running sum in a second accumulator (kTwo).
 struct GemmSplit {
   int splits, blocks;
   bool across;
@@ -114,37 +114,12 @@ __device__ __forceinline__ Epi epilogue_for_split(const Epi& epi, int s) {
   }
 }
 
-// The running sum of a tile's K ranges in a consumer thread's parking slot (`slot` numbers the
-// consumer warpgroups of the grid): acc = parked + acc when `add` (the range is not the tile's
-// first), then, when `park`, the sum goes back to the slot and acc restarts from zero.
-template <int kBN>
-__device__ __forceinline__ void join_parked(float (&acc)[kBN / 2], const GemmSplit& split, int slot,
-                                            int tid, bool add, bool park) {
-#pragma unroll
-  for (int i = 0; i < kBN / 2; ++i) ptx::reg_fence(acc[i]);
-  float4* parked = reinterpret_cast<float4*>(split.scratch) + static_cast<int64_t>(slot) * 128 * (kBN / 8) + tid;
-#pragma unroll
-  for (int q = 0; q < kBN / 8; ++q) {
-    if (add) {
-      const float4 p = parked[q * 128];
-      acc[4 * q] = __fadd_rn(p.x, acc[4 * q]);
-      acc[4 * q + 1] = __fadd_rn(p.y, acc[4 * q + 1]);
-      acc[4 * q + 2] = __fadd_rn(p.z, acc[4 * q + 2]);
-      acc[4 * q + 3] = __fadd_rn(p.w, acc[4 * q + 3]);
-    }
-    if (park) {
-      parked[q * 128] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
-      acc[4 * q] = acc[4 * q + 1] = acc[4 * q + 2] = acc[4 * q + 3] = 0.f;
-    }
-  }
-}
-
 // Fragment layout of one consumer (m64nBN fp32): thread t of the warpgroup holds, for each 8-column
 // block j, acc[4j + 2h + e] = C[row0 + 16 (t / 32) + (t % 32) / 4 + 8h, col0 + 8j + 2 (t % 4) + e].
 // A tile of kBM < 64 rows (16 or 32) still runs m64 wgmma: its rows past kBM read whatever follows
 // in shared memory and only reach fragment rows that belong to no output (the epilogue is told the
 // tile's last row).
-template <int kBM, int kBN, int kSubs, bool kHalf, bool kTA, bool kTB, typename Epi>
+template <int kBM, int kBN, int kSubs, bool kHalf, bool kTA, bool kTB, bool kTwo, typename Epi>
 __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
                                   gemm_cfg::gemm_max_occupancy(kBM > 64 ? 2 : 1, kBN))
     rlk_det_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
@@ -228,6 +203,8 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
   if constexpr (kConsumers == 2) ptx::setmaxnreg_inc<240>();  // one warpgroup fits as compiled
   const int c = wg - 1;
   float acc[kBN / 2];
+  // kTwo: a CTA that runs all of a tile's K ranges keeps their running sum here.
+  float sum[kTwo ? kBN / 2 : 1];
   int s = 0;
   uint32_t phase = 0;
   for (int item = blockIdx.x; item < split.items; item += gridDim.x) {
@@ -238,6 +215,7 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
     for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.f;
     int held = -1;  // the stage whose products may still be in flight
     const int kb_end = min(k_iters, end * split.blocks);
+    int join = (first + 1) * split.blocks;  // where the next range starts (kTwo)
     for (int kb = first * split.blocks; kb < kb_end;) {
       ptx::mbar_wait(full(s), phase);
       const uint32_t st = base + s * ring.stage_bytes;
@@ -262,22 +240,33 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
       held = s;
       if (++s == ring.stages) s = 0, phase ^= 1u;
       kb += kSubs;
-      // A range of a tile whose ranges all run here ends before the tile does: its sum joins the
-      // running sum of the ranges before it and is parked in this thread's own slot (float4 q at
-      // [q][thread], coalesced; its stores are visible to its later loads without a fence), and the
-      // accumulator starts again from zero. The last range's sum joins in after the loop.
-      if (kb < kb_end && kb % split.blocks == 0) {
-        ptx::wgmma_wait<0>();
-        if (tid == 0) ptx::mbar_arrive(empty(held));
-        held = -1;
-        join_parked<kBN>(acc, split, kConsumers * blockIdx.x + c, tid, kb > split.blocks, true);
+      if constexpr (kTwo) {
+        // A range ends before the tile does: its sum joins the running sum (the first one is it),
+        // and the accumulator starts again from zero. The last range joins after the loop.
+        if (kb == join && kb < kb_end) {
+          ptx::wgmma_wait<0>();
+          if (tid == 0) ptx::mbar_arrive(empty(held));
+          held = -1;
+#pragma unroll
+          for (int i = 0; i < kBN / 2; ++i) {
+            ptx::reg_fence(acc[i]);
+            sum[i] = join == split.blocks ? acc[i] : __fadd_rn(sum[i], acc[i]);
+            acc[i] = 0.f;
+          }
+          join += split.blocks;
+        }
       }
     }
     ptx::wgmma_wait<0>();
     if (held >= 0 && tid == 0) ptx::mbar_arrive(empty(held));
-    if (!split.across && kb_end > split.blocks) join_parked<kBN>(acc, split, kConsumers * blockIdx.x + c, tid, true, false);
 #pragma unroll
     for (int i = 0; i < kBN / 2; ++i) ptx::reg_fence(acc[i]);
+    if constexpr (kTwo) {
+      if (kb_end > split.blocks) {
+#pragma unroll
+        for (int i = 0; i < kBN / 2; ++i) acc[i] = __fadd_rn(sum[i], acc[i]);
+      }
+    }
     const int row_end = (mb + 1) * kBM < m ? (mb + 1) * kBM : m;
     if (split.across) {
       epilogue_for_split(epi, first)(acc, mb * kBM + c * 64, nb * kBN, row_end, n);
@@ -646,6 +635,16 @@ inline GemmSplit choose_gemm_split(int n, int k) {
   return {(units + per - 1) / per, 4 * per, false, nullptr, 0};
 }
 
+// A tile whose accumulator fits twice in a thread's registers (the running sum of a split K
+// beside the range's own): 128 rows by at most 160 columns (2 x 80 of 240 registers), 64 rows by
+// at most 64 (two CTAs an SM, 128 registers). A wider pick becomes 160 or 128 columns, whichever
+// leaves less of the last column block empty (160 on a tie: it stages fewer bytes per product).
+inline GemmTile gemm_two_sum_tile(GemmTile t, int n) {
+  if (t.bm == 64 && t.bn > 64) t.bn = 64;
+  if (t.bm == 128 && t.bn > 160) t.bn = (n + 159) / 160 * 160 - n <= (n + 127) / 128 * 128 - n ? 160 : 128;
+  return t;
+}
+
 // The layout of one det_gemm launch: its tile, its split, and the fp32 scratch it needs.
 struct GemmPlan {
   GemmTile tile;
@@ -659,7 +658,7 @@ struct GemmPlan {
 // chosen as for N times the ranges, and a workspace of splits x M x N floats holds the range sums.
 // From M = 1024 the tiles are compute bound and that workspace's traffic (2 splits M N 4 bytes)
 // would cost more than shorter chains win, so each CTA runs its tiles' ranges one after the other
-// on the tile choose_gemm_tile picks, with a parking slot of one tile of floats per resident CTA.
+// on the tile gemm_two_sum_tile makes of choose_gemm_tile's, a running sum beside the accumulator.
 inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms) {
   GemmPlan p{choose_gemm_tile(m, n, num_sms), choose_gemm_split(n, k), 0};
   if (p.split.splits == 1) return p;
@@ -671,13 +670,11 @@ inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms) {
     p.scratch_floats = static_cast<int64_t>(p.split.splits) * m * n;
     return p;
   }
-  const GemmRing ring = gemm_ring(t.bm, t.bn, gemm_tile_subs(t.bm, t.bn, false), m, tiles, num_sms);
-  const int64_t grid = tiles < ring.occupancy * num_sms ? tiles : ring.occupancy * num_sms;
-  p.scratch_floats = grid * (t.bm > 64 ? 128 : 64) * t.bn;
+  p.tile = gemm_two_sum_tile(t, n);
   return p;
 }
 
-template <int kBM, int kBN, int kSubs, bool kTA, bool kTB, typename Epi>
+template <int kBM, int kBN, int kSubs, bool kTA, bool kTB, bool kTwo, typename Epi>
 cudaError_t launch_det_gemm_grid(const GemmOperands& op, const Epi& epi, const GemmSplit& split,
                                  int num_sms, bool stream_dependents, cudaStream_t stream) {
   using namespace gemm_cfg;
@@ -694,8 +691,8 @@ cudaError_t launch_det_gemm_grid(const GemmOperands& op, const Epi& epi, const G
             : encode_tma_2d(&map_b, op.b, op.dtype, op.n, op.k, op.ldb, kBN);
   }
   if (e != cudaSuccess) return e;
-  auto kernel = op.dtype == DType::kF16 ? rlk_det_gemm_sm90_kernel<kBM, kBN, kSubs, true, kTA, kTB, Epi>
-                                        : rlk_det_gemm_sm90_kernel<kBM, kBN, kSubs, false, kTA, kTB, Epi>;
+  auto kernel = op.dtype == DType::kF16 ? rlk_det_gemm_sm90_kernel<kBM, kBN, kSubs, true, kTA, kTB, kTwo, Epi>
+                                        : rlk_det_gemm_sm90_kernel<kBM, kBN, kSubs, false, kTA, kTB, kTwo, Epi>;
   const int smem = ring.stages * static_cast<int>(ring.stage_bytes) + kOverhead;
   e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
@@ -722,26 +719,27 @@ struct AnyWidth : std::false_type {};
 template <typename Epi>
 struct AnyWidth<Epi, std::void_t<decltype(Epi::kAnyWidth)>> : std::bool_constant<Epi::kAnyWidth> {};
 
-// One tile: a swapped one launches B as the rows and A as the columns.
-template <int kBM, int kBN, bool kSwap, typename Epi>
+// One tile: a swapped one launches B as the rows and A as the columns. kTwo: the tile runs all of
+// its K ranges (a split reduced within CTAs).
+template <int kBM, int kBN, bool kSwap, typename Epi, bool kTwo = false>
 cudaError_t launch_det_gemm_tile(const GemmOperands& op, const Epi& epi, const GemmSplit& split,
                                  int num_sms, cudaStream_t stream) {
   constexpr int kSubs = gemm_tile_subs(kBM, kBN, kSwap);
   if constexpr (kSwap) {
     if (op.a_mn || op.b_mn) return cudaErrorInvalidValue;  // see gemm_reads_mn_major
     const GemmOperands t{op.b, op.ldb, op.a, op.lda, op.n, op.m, op.k, op.dtype};
-    return launch_det_gemm_grid<kBM, kBN, kSubs, false, false>(t, SwapEpilogue<Epi>{epi}, split, num_sms,
-                                                               true, stream);
+    return launch_det_gemm_grid<kBM, kBN, kSubs, false, false, kTwo>(t, SwapEpilogue<Epi>{epi}, split, num_sms,
+                                                                     true, stream);
   } else if constexpr (kBN >= 128 && kBN % 64 == 0 && AnyWidth<Epi>::value) {
     if (op.a_mn && op.b_mn) {
-      return launch_det_gemm_grid<kBM, kBN, kSubs, true, true>(op, epi, split, num_sms, false, stream);
+      return launch_det_gemm_grid<kBM, kBN, kSubs, true, true, kTwo>(op, epi, split, num_sms, false, stream);
     }
     if (op.a_mn) return cudaErrorInvalidValue;
-    if (op.b_mn) return launch_det_gemm_grid<kBM, kBN, kSubs, false, true>(op, epi, split, num_sms, false, stream);
-    return launch_det_gemm_grid<kBM, kBN, kSubs, false, false>(op, epi, split, num_sms, false, stream);
+    if (op.b_mn) return launch_det_gemm_grid<kBM, kBN, kSubs, false, true, kTwo>(op, epi, split, num_sms, false, stream);
+    return launch_det_gemm_grid<kBM, kBN, kSubs, false, false, kTwo>(op, epi, split, num_sms, false, stream);
   } else {
     if (op.a_mn || op.b_mn) return cudaErrorInvalidValue;
-    return launch_det_gemm_grid<kBM, kBN, kSubs, false, false>(op, epi, split, num_sms, false, stream);
+    return launch_det_gemm_grid<kBM, kBN, kSubs, false, false, kTwo>(op, epi, split, num_sms, false, stream);
   }
 }
 
@@ -760,6 +758,19 @@ cudaError_t launch_det_gemm_swapped(int bn, const GemmOperands& op, const Epi& e
 template <typename Epi>
 cudaError_t launch_det_gemm_on(const GemmTile& t, const GemmOperands& op, const Epi& epi,
                                const GemmSplit& split, int num_sms, cudaStream_t stream) {
+  if (split.splits > 1 && !split.across) {  // the tiles of gemm_two_sum_tile
+    if (t.swap) return cudaErrorInvalidValue;
+    if (t.bm == 64) {
+      return t.bn == 64 ? launch_det_gemm_tile<64, 64, false, Epi, true>(op, epi, split, num_sms, stream)
+                        : launch_det_gemm_tile<64, 32, false, Epi, true>(op, epi, split, num_sms, stream);
+    }
+    switch (t.bn) {
+      case 160: return launch_det_gemm_tile<128, 160, false, Epi, true>(op, epi, split, num_sms, stream);
+      case 128: return launch_det_gemm_tile<128, 128, false, Epi, true>(op, epi, split, num_sms, stream);
+      case 64: return launch_det_gemm_tile<128, 64, false, Epi, true>(op, epi, split, num_sms, stream);
+      default: return launch_det_gemm_tile<128, 32, false, Epi, true>(op, epi, split, num_sms, stream);
+    }
+  }
   if (t.swap) {
     switch (t.bm) {
       case 64: return launch_det_gemm_swapped<64>(t.bn, op, epi, split, num_sms, stream);
