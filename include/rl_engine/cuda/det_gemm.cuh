@@ -4,15 +4,17 @@
 // The reduction order depends only on N and K (choose_gemm_split): K is cut into `splits` ranges of
 // whole 256-wide units; each range is walked in 64-wide blocks from its start, each block four wgmma
 // k16 steps into an fp32 accumulator that starts at zero (zero-filled past K), and the ranges' sums
-// are added in range order, ((p0 + p1) + p2) ..., before the epilogue. No stream-K, no atomic. What
-// changes with M is only the output tile (choose_gemm_tile), whether the tile is swapped (B's rows as
-// its rows), how many K blocks one shared-memory stage holds, and where the range sums meet: in the
-// CTA that computed them all (one range after the other, the running sum in a second set of
-// registers), or, where the tiles are too few to fill the SMs, in separate CTAs that write them to
-// a workspace that one more kernel adds up (plan_det_gemm). So a row's bits depend only on that row
-// and B, not on M, on the row's position, on the tile or on the grid. A swapped tile gives an
-// element the same k16 steps with the operands' roles exchanged, and the products are exact in fp32,
-// so it gives the same bits (the row tests hold it to that).
+// are added in range order, ((p0 + p1) + p2) ..., before the epilogue (measured at e25236c: 4B's
+// down projection at M = 1-32 from 0.64-0.67 of cuBLAS unsplit to 0.93-0.99 in 3 ranges, 8B's KV
+// projection from 0.75-0.82 to 1.00-1.04 in 6, for 0.80-0.85 at M >= 4096 where it was 0.91-0.94).
+// No stream-K, no atomic. What changes with M is only the output tile (choose_gemm_tile), whether
+// the tile is swapped (B's rows as its rows), how many K blocks one shared-memory stage holds, and
+// where the range sums meet: in the CTA that computed them all (one range after the other, the
+// running sum in a second set of registers), or, where the tiles are too few to fill the SMs, in
+// separate CTAs that write them to a workspace that one more kernel adds up (plan_det_gemm). So a
+// row's bits depend only on that row and B, not on M, on the row's position, on the tile or on the
+// grid. A swapped tile gives an element the same k16 steps with the operands' roles exchanged, and
+// the products are exact in fp32, so it gives the same bits (the row tests hold it to that).
 //
 // The grid is persistent (tiles strided over CTAs); warpgroup 0 is the producer (one thread issues
 // bulk tensor copies into a ring of shared-memory stages guarded by mbarriers), each consumer
@@ -168,7 +170,7 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
       int mb, nb;
       gemm_tile_coords(tile, m_blocks, n_blocks, mb, nb);
       // One range, or all of K (ranges hold whole multiples of 4 K blocks, so a stage never
-      // straddles two of them). One thread of 24 registers runs this loop: it keeps little state.
+      // straddles two of them). Beside two consumers this thread has 24 registers: little state.
       for (int kb = split.across ? (item - tile * split.splits) * split.blocks : 0; kb < k_iters;) {
         ptx::mbar_wait(empty(s), phase ^ 1u);  // first pass: the slot starts free
         ptx::mbar_arrive_expect_tx(full(s), ring.stage_bytes);
