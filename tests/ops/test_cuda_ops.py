@@ -56,9 +56,10 @@ def test_det_gemm_rows_do_not_depend_on_batch_or_position(ops, dtype):
 # slabs of 16 and 32 weight rows by 8, 16, 32 and 64 tokens and of 64 rows by 8, 16 and 32 tokens
 # (1, 2 or 4 CTAs an SM, M below the token width), 64 rows by 32, 64 and 128 columns, 128 rows by
 # 32, 64, 128, 160, 192 and 256 columns; rows that start mid-tile too. Up to N = 3072 K is split
-# (4 ranges at N = 1024, 2 from 2048): the ranges meet across CTAs up to M = 256, and within a CTA
-# above, on every tile that keeps a second accumulator (128 rows by 32 at M = 300, by 64 at 520, by
-# 128 and 160; 64 rows by 32 and 64).
+# (4 ranges at N = 1024, 2 from 2048): the ranges meet across CTAs at decode sizes and up to
+# M = 256 where the tiles make less than a wave, and within a CTA elsewhere, on every tile that
+# keeps a second accumulator (128 rows by 32 at M = 300, by 64 at 520, by 128 and 160; 64 rows by
+# 32 and 64).
 GEMM_TILE_NS = (1024, 2048, 2176, 2560, 4096, 8448, 16896, 33792)
 GEMM_ROW_MS = (1, 2, 3, 4, 8, 16, 17, 32, 40, 64, 65, 128, 192, 256, 300, 520, 1000, 1024, 4096, 4097,
                8192)
@@ -127,8 +128,9 @@ def test_det_gemm_reads_its_inputs_only_once_they_are_written(ops):
                 torch.cuda.synchronize()
         return outs
 
-    # At N = 1024: swapped weight-stream tiles at 3 and 64 tokens (they let the next launch in
-    # early), 64 x 128 tiles at 1024 (they leave that to their exit).
+    # At N = 1024 (K in 4 ranges): swapped weight-stream tiles at 3 tokens (they let the next
+    # launch in early) and 64 x 32 tiles at 64, each writing range sums that one more kernel adds
+    # up; 64 x 64 tiles that add their own ranges at 1024.
     for m in (3, 64, 1024):
         x = randn(m, 1024, seed=22)
         ref = chain(x, sync=True)

@@ -16,7 +16,8 @@
 // grid. A swapped tile gives an element the same k16 steps with the operands' roles exchanged, and
 // the products are exact in fp32, so it gives the same bits (the row tests hold it to that).
 //
-// The grid is persistent (tiles strided over CTAs); warpgroup 0 is the producer (one thread issues
+// The grid is persistent (work items, tiles or (tile, range) pairs, strided over CTAs); warpgroup 0
+// is the producer (one thread issues
 // bulk tensor copies into a ring of shared-memory stages guarded by mbarriers), each consumer
 // warpgroup owns 64 rows of the tile. At decode sizes the GEMM streams B: swapped tiles give every
 // SM its own slab of B's rows, M is the narrow side of the instruction, and a launch with fewer
@@ -97,7 +98,7 @@ __device__ __forceinline__ void gemm_tile_coords(int tile, int m_blocks, int n_b
 struct GemmSplit {
   int splits, blocks;
   bool across;
-  float* scratch;
+  float* scratch;  // the workspace, which the kernel reaches only through the epilogue's for_split
   int items;  // set by the launch: tiles, or tiles x splits when across (read from the parameter
               // space, it costs the producer's few registers nothing)
 };
@@ -627,7 +628,9 @@ inline bool gemm_reads_mn_major(const GemmTile& t) { return !t.swap && t.bn >= 1
 // (measured at M <= 32 over benchmarks/hopper_ops.py's shapes: K / 16 steps set the time wherever
 // N K 2 bytes of weight stream faster than that, which is below N of about 6000). Up to N = 3072
 // the chain is cut in up to 8 ranges, about 6144 / N of them; wider weights are left in one range,
-// since parking the running sum between ranges costs the large-M tiles a few per cent.
+// since every range boundary drains a large-M tile's wgmma pipeline (measured at e25236c: 8B's KV
+// projection in 6 ranges loses about 10% at M >= 4096; a floor on the range length is the next
+// step, and it will change these shapes' bits).
 inline GemmSplit choose_gemm_split(int n, int k) {
   const int units = (k + 4 * gemm_cfg::kBK - 1) / (4 * gemm_cfg::kBK);
   int want = n > 3072 ? 1 : (6144 + n - 1) / n;
@@ -658,9 +661,10 @@ struct GemmPlan {
 // the unsplit tiles make at most one wave: there a CTA's time is its K chain (measured: Qwen3-4B's
 // down projection takes the same 29 us at M = 1, 64 and 128). Each (tile, range) is a CTA, the tile
 // chosen as for N times the ranges, and a workspace of splits x M x N floats holds the range sums.
-// From M = 1024 the tiles are compute bound and that workspace's traffic (2 splits M N 4 bytes)
-// would cost more than shorter chains win, so each CTA runs its tiles' ranges one after the other
-// on the tile gemm_two_sum_tile makes of choose_gemm_tile's, a running sum beside the accumulator.
+// Above M = 256, or where the tiles fill a wave, they are compute bound and that workspace's traffic
+// (2 splits M N 4 bytes) would cost more than shorter chains win, so each CTA runs its tiles'
+// ranges one after the other on the tile gemm_two_sum_tile makes of choose_gemm_tile's, a running
+// sum beside the accumulator.
 inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms) {
   GemmPlan p{choose_gemm_tile(m, n, num_sms), choose_gemm_split(n, k), 0};
   if (p.split.splits == 1) return p;
@@ -756,7 +760,8 @@ cudaError_t launch_det_gemm_swapped(int bn, const GemmOperands& op, const Epi& e
   }
 }
 
-// det_gemm on tile t (one choose_gemm_tile can return).
+// det_gemm on tile t (one choose_gemm_tile can return; a split within CTAs, one of
+// gemm_two_sum_tile's).
 template <typename Epi>
 cudaError_t launch_det_gemm_on(const GemmTile& t, const GemmOperands& op, const Epi& epi,
                                const GemmSplit& split, int num_sms, cudaStream_t stream) {
