@@ -69,8 +69,7 @@ void gemm_into(const at::Tensor& a, const at::Tensor& b, at::Tensor& out,
   at::Tensor a2, b2;
   GemmPlan plan{};
   if (tensor_cores) {
-    plan = split_k ? plan_det_gemm(g.m, g.n, g.k, sm_count())
-                   : GemmPlan{choose_gemm_tile(g.m, g.n, sm_count()), gemm_no_split(g.k), 0};
+    plan = plan_det_gemm(g.m, g.n, g.k, sm_count(), split_k);
     const bool in_place = gemm_reads_mn_major(plan.tile);
     g.b_mn = in_place && mn_major_view(b);
     g.a_mn = g.b_mn && mn_major_view(a);

@@ -80,8 +80,8 @@ inline at::Tensor transposed_rows(const at::Tensor& t, const char* op) {
 
 // out[m, n] (=|+=) a[m, k] . b[n, k]^T (+ bias[n]): bf16/fp16 pairs go to the sm_90a kernel, anything
 // else to the fp32 kernel after an exact upcast. out may be a row-strided view; bias is fp32.
-// split_k false keeps K in one range (plan_det_gemm otherwise splits it by N and K): for products
-// that must repeat the bits of an unsplit kernel, such as linear_logp's logits.
+// split_k false keeps K in one range (plan_det_gemm otherwise splits it by N and K), as
+// linear_logp's logits recompute needs.
 void gemm_into(const at::Tensor& a, const at::Tensor& b, at::Tensor& out,
                const std::optional<at::Tensor>& bias, bool accumulate, const char* op,
                bool split_k = true);

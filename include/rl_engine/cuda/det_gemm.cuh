@@ -640,6 +640,9 @@ inline GemmSplit choose_gemm_split(int n, int k) {
   return {(units + per - 1) / per, 4 * per, false, nullptr, 0};
 }
 
+// K in one range: the order of an epilogue that is not split (linear_logp's fused tiles).
+inline GemmSplit gemm_no_split(int k) { return {1, (k + gemm_cfg::kBK - 1) / gemm_cfg::kBK, false, nullptr, 0}; }
+
 // A tile whose accumulator fits twice in a thread's registers (the running sum of a split K
 // beside the range's own): 128 rows by at most 160 columns (2 x 80 of 240 registers), 64 rows by
 // at most 64 (two CTAs an SM, 128 registers). A wider pick becomes 160 or 128 columns, whichever
@@ -665,8 +668,10 @@ struct GemmPlan {
 // (2 splits M N 4 bytes) would cost more than shorter chains win, so each CTA runs its tiles'
 // ranges one after the other on the tile gemm_two_sum_tile makes of choose_gemm_tile's, a running
 // sum beside the accumulator.
-inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms) {
-  GemmPlan p{choose_gemm_tile(m, n, num_sms), choose_gemm_split(n, k), 0};
+// split_k false keeps K in one range (gemm_no_split) for a product that must repeat the bits of an
+// unsplit kernel.
+inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms, bool split_k = true) {
+  GemmPlan p{choose_gemm_tile(m, n, num_sms), split_k ? choose_gemm_split(n, k) : gemm_no_split(k), 0};
   if (p.split.splits == 1) return p;
   const GemmTile& t = p.tile;
   const int64_t tiles = static_cast<int64_t>((m + t.bm - 1) / t.bm) * ((n + t.bn - 1) / t.bn);
@@ -679,6 +684,23 @@ inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms) {
   p.tile = gemm_two_sum_tile(t, n);
   return p;
 }
+
+// The configuration of a launch with programmatic stream serialization (see the top of this file).
+struct PdlLaunch {
+  cudaLaunchAttribute attr[1];
+  cudaLaunchConfig_t cfg{};
+  PdlLaunch(int grid, int block, int smem, cudaStream_t stream) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(block);
+    cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  PdlLaunch(const PdlLaunch&) = delete;  // cfg points into attr
+};
 
 template <int kBM, int kBN, int kSubs, bool kTA, bool kTB, bool kTwo, typename Epi>
 cudaError_t launch_det_gemm_grid(const GemmOperands& op, const Epi& epi, const GemmSplit& split,
@@ -703,21 +725,11 @@ cudaError_t launch_det_gemm_grid(const GemmOperands& op, const Epi& epi, const G
   e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   const int grid = items < ring.occupancy * num_sms ? static_cast<int>(items) : ring.occupancy * num_sms;
-  // Programmatic stream serialization (see the top of this file).
-  cudaLaunchAttribute pdl[1];
-  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(kBM > 64 ? 384 : 256);
-  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
-  cfg.stream = stream;
-  cfg.attrs = pdl;
-  cfg.numAttrs = 1;
   GemmSplit work = split;
   work.items = static_cast<int>(items);
-  return cudaLaunchKernelEx(&cfg, kernel, map_a, map_b, op.m, op.n, op.k, ring, epi, stream_dependents,
-                            work);
+  PdlLaunch launch(grid, kBM > 64 ? 384 : 256, smem, stream);
+  return cudaLaunchKernelEx(&launch.cfg, kernel, map_a, map_b, op.m, op.n, op.k, ring, epi,
+                            stream_dependents, work);
 }
 
 template <typename Epi, typename = void>
@@ -802,9 +814,6 @@ cudaError_t launch_det_gemm_on(const GemmTile& t, const GemmOperands& op, const 
   }
 }
 
-// K in one range: the order of an epilogue that is not split (linear_logp's fused tiles).
-inline GemmSplit gemm_no_split(int k) { return {1, (k + gemm_cfg::kBK - 1) / gemm_cfg::kBK, false, nullptr, 0}; }
-
 // An epilogue written for the 64 x 256 fragment alone (linear_logp's) on the 128 x 256 tile, K
 // unsplit.
 template <typename Epi>
@@ -828,19 +837,10 @@ cudaError_t launch_det_gemm_planned(const GemmOperands& op, const StoreEpilogue<
   const StoreEpilogue<float> sums{scratch, op.n, nullptr, false, op.n % 2 == 0, false, mn};
   cudaError_t e = launch_det_gemm_on(plan.tile, op, sums, split, num_sms, stream);
   if (e != cudaSuccess) return e;
-  const int64_t pairs = static_cast<int64_t>(op.m) * ((op.n + 1) / 2);
-  cudaLaunchAttribute pdl[1];
-  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg{};
-  const int64_t blocks = (pairs + 255) / 256;
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks < 8 * num_sms ? blocks : 8 * num_sms));
-  cfg.blockDim = dim3(256);
-  cfg.stream = stream;
-  cfg.attrs = pdl;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, rlk_det_gemm_combine_kernel<StoreEpilogue<Out>>, static_cast<const float*>(scratch),
-                            split.splits, op.m, op.n, epi);
+  const int64_t blocks = (static_cast<int64_t>(op.m) * ((op.n + 1) / 2) + 255) / 256;  // a pair a thread
+  PdlLaunch launch(static_cast<int>(blocks < 8 * num_sms ? blocks : 8 * num_sms), 256, 0, stream);
+  return cudaLaunchKernelEx(&launch.cfg, rlk_det_gemm_combine_kernel<StoreEpilogue<Out>>,
+                            static_cast<const float*>(scratch), split.splits, op.m, op.n, epi);
 }
 
 template <typename Epi>
