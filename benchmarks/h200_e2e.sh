@@ -4,7 +4,8 @@
 # attention tests and benchmark, strict R/R steps of the `small` model at TP=2 and CP=2 (traced,
 # then the trace check), the attention parity gate on two GPUs, the R/R-over-P/P step-time benchmark, the
 # ablation matrix, the attention parity gate at TP=2, a traced R/R step on one GPU, the Megatron-core
-# trainer (traced R/R, step time, its DDP test), the Hopper ops' tests and speed, and every CUDA test.
+# trainer (traced R/R, step time, its DDP test), the Hopper ops' tests and speed, their Nsight
+# Compute profiles, and every CUDA test.
 # Every step has its own time limit and leaves its log and JSON under $OUT, so a run that is cut
 # short still returns what it finished; steps.tsv says how each step ended.
 #
@@ -85,6 +86,8 @@ step megatron-ddp 300 "$PY" -m pytest -q -p no:cacheprovider tests/adapters/test
 # speed of every op against its production twin.
 step ops-tests 400 "$PY" -m pytest -q -p no:cacheprovider tests/ops/test_cuda_ops.py
 step hopper-ops 400 "$PY" benchmarks/hopper_ops.py --out "$OUT/hopper_ops.json"
+# What bounds the kernels that miss their speed targets: Nsight Compute's figures for each.
+step ncu-profile 600 "$PY" benchmarks/ncu_profile.py --out "$OUT/ncu_profile.json"
 # The modules that hold CUDA tests (the others need Airflow, Ray or FastAPI, not installed there).
 step cuda_tests 600 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/distributed tests/ops \
   tests/step tests/validation

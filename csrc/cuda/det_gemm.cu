@@ -115,7 +115,7 @@ at::Tensor det_gemm(const at::Tensor& x, const at::Tensor& w, const std::optiona
   count_launch(kDetGemm, kCuda);
   const int64_t k = w.size(1), n = w.size(0), m = leading_rows(x);
   auto y = at::empty({m, n}, x.options());
-  gemm_into(x.reshape({m, k}), w, y, bias, false, op);
+  gemm_into(x.reshape({m, k}), w, y, bias, false, op, /*split_k=*/true);
   auto sizes = x.sizes().vec();
   sizes.back() = n;
   return y.reshape(sizes);
@@ -133,7 +133,7 @@ at::Tensor det_gemm_grad_input(const at::Tensor& grad_y, const at::Tensor& w) {
   const int64_t n = w.size(0), k = w.size(1), m = leading_rows(grad_y);
   auto dx = at::empty({m, k}, grad_y.options());
   // dx[m, k] = sum_n dy[m, n] w[n, k]: B = w^T [K, N] (a view), reduction over n.
-  gemm_into(grad_y.reshape({m, n}), w.t(), dx, std::nullopt, false, op);
+  gemm_into(grad_y.reshape({m, n}), w.t(), dx, std::nullopt, false, op, /*split_k=*/true);
   auto sizes = grad_y.sizes().vec();
   sizes.back() = k;
   return dx.reshape(sizes);
@@ -152,7 +152,8 @@ at::Tensor det_gemm_grad_weight(const at::Tensor& grad_y, const at::Tensor& x) {
   count_launch(kDetGemmGradWeight, kCuda);
   auto dw = at::empty({n, k}, grad_y.options().dtype(at::kFloat));
   // dw[n, k] = sum_m dy[m, n] x[m, k]: A = dy^T, B = x^T (views), rows m in order.
-  gemm_into(grad_y.reshape({rows, n}).t(), x.reshape({rows, k}).t(), dw, std::nullopt, false, op);
+  gemm_into(grad_y.reshape({rows, n}).t(), x.reshape({rows, k}).t(), dw, std::nullopt, false, op,
+            /*split_k=*/true);
   return dw;
 }
 

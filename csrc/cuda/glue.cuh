@@ -80,10 +80,9 @@ inline at::Tensor transposed_rows(const at::Tensor& t, const char* op) {
 
 // out[m, n] (=|+=) a[m, k] . b[n, k]^T (+ bias[n]): bf16/fp16 pairs go to the sm_90a kernel, anything
 // else to the fp32 kernel after an exact upcast. out may be a row-strided view; bias is fp32.
-// split_k false keeps K in one range (plan_det_gemm otherwise splits it by N and K), as
-// linear_logp's logits recompute needs.
+// split_k: K in ranges chosen by N and K (plan_det_gemm), or in one range for a product that must
+// repeat an unsplit kernel's bits (linear_logp's logits recompute). fp32 operands ignore it.
 void gemm_into(const at::Tensor& a, const at::Tensor& b, at::Tensor& out,
-               const std::optional<at::Tensor>& bias, bool accumulate, const char* op,
-               bool split_k = true);
+               const std::optional<at::Tensor>& bias, bool accumulate, const char* op, bool split_k);
 
 }  // namespace rl_engine::cuda

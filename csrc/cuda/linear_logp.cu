@@ -84,7 +84,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_partial(
     for (int64_t c0 = 0; c0 < v_local; c0 += chunk) {
       const int64_t vc = std::min(chunk, v_local - c0);
       auto lg = logits.narrow(1, 0, vc);
-      gemm_into(hf, wf.narrow(0, c0, vc), lg, std::nullopt, false, op);
+      gemm_into(hf, wf.narrow(0, c0, vc), lg, std::nullopt, false, op, /*split_k=*/false);
       const int64_t work = t_dim * ((vc + sub - 1) / sub);
       rlk_linear_logp_subtile_kernel<<<(work + 255) / 256, 256, 0, stream>>>(
           lg.data_ptr<float>(), lg.stride(0), t_dim, static_cast<int>(vc), static_cast<int>(sub),
@@ -182,9 +182,9 @@ std::tuple<at::Tensor, at::Tensor> linear_logp_backward(const at::Tensor& grad_l
     }
     const auto dlv = dl.narrow(1, 0, vc);
     // Transposed views: the GEMM reads them in place on its large tiles (see gemm_into).
-    gemm_into(dlv, wc.t(), grad_hidden, std::nullopt, c0 > 0, op);
+    gemm_into(dlv, wc.t(), grad_hidden, std::nullopt, c0 > 0, op, /*split_k=*/true);
     auto gw = grad_weight.narrow(0, c0, vc);
-    gemm_into(dlv.t(), hs.t(), gw, std::nullopt, false, op);
+    gemm_into(dlv.t(), hs.t(), gw, std::nullopt, false, op, /*split_k=*/true);
   }
   return {grad_hidden, grad_weight};
 }

@@ -88,7 +88,8 @@ def gemm_split(n, k):
     return -(-units // per), 256 * per
 
 
-@pytest.mark.parametrize("n, k", [(1024, 4096), (2560, 2600), (1000, 520)])
+# 6 ranges; 3; 3 with a short last one; 6 at an odd N (the workspace's single-column stores); 8.
+@pytest.mark.parametrize("n, k", [(1024, 4096), (2560, 2600), (1000, 520), (1001, 2600), (640, 4096)])
 def test_det_gemm_adds_its_k_ranges_in_order(ops, n, k):
     """Every row of det_gemm is its K ranges' sums added in range order, then rounded once: the
     same bits whether the ranges meet across CTAs (small M) or in one CTA (large M). Each range's
@@ -117,8 +118,6 @@ def test_det_gemm_reads_its_inputs_only_once_they_are_written(ops):
     output of the kernel just before it (another det_gemm, or a torch kernel), launched back to back
     and replayed from a CUDA graph, give the bits of the same chain with a synchronize between
     calls."""
-    w = randn(1024, 1024, scale=1 / 32, seed=21)
-
     def chain(x, sync):
         outs = []
         for i in range(24):
@@ -130,9 +129,11 @@ def test_det_gemm_reads_its_inputs_only_once_they_are_written(ops):
 
     # At N = 1024 (K in 4 ranges): swapped weight-stream tiles at 3 tokens (they let the next
     # launch in early) and 64 x 32 tiles at 64, each writing range sums that one more kernel adds
-    # up; 64 x 64 tiles that add their own ranges at 1024.
-    for m in (3, 64, 1024):
-        x = randn(m, 1024, seed=22)
+    # up; 64 x 64 tiles that add their own ranges at 1024. At N = 4096 (one range): swapped tiles
+    # at 3 tokens that let the next GEMM in early, 64 x 128 tiles at 256.
+    for n, m in ((1024, 3), (1024, 64), (1024, 1024), (4096, 3), (4096, 256)):
+        w = randn(n, n, scale=n ** -0.5, seed=21)
+        x = randn(m, n, seed=22)
         ref = chain(x, sync=True)
         assert all(torch.equal(a, b) for a, b in zip(chain(x, sync=False), ref)), m
         stream = torch.cuda.Stream()

@@ -264,14 +264,20 @@ template <int D, int BN>
 constexpr int split_key_steps() {  // k16 key steps per scorer warp
   return (BN / 16 + split_warps<D>() - 1) / split_warps<D>();
 }
+// A block's probabilities are published in its own K tile: the scorers are done reading it at the
+// barrier before they write, and the walk refills that slot only after the next block's barrier.
+// Keeping them out of the CTA's own bytes is what fits four head_dim 64 CTAs on an SM (512 CTAs in
+// one wave at batch 64 x 8 kv heads, where three left a second wave of 116).
 template <int D, int BN>
 struct SplitSmem {
-  static constexpr int kRing = decode_stages<BN>() * 2 * BN * kStride<D> * 2;
-  static constexpr int kMax = kRing;                     // float [warps][16]: row maxima
-  static constexpr int kPa = kMax + 16 * 16 * 4;         // uint4 [BN / 16][32]: P fragments
-  static constexpr int kPf = kPa + (BN / 16) * 32 * 16;  // float4 [BN / 8][32]: P values
-  static constexpr int kL = kPf + (BN / 8) * 32 * 16;    // float [16]: whole denominators
+  static constexpr int kTile = BN * kStride<D> * 2;
+  static constexpr int kRing = decode_stages<BN>() * 2 * kTile;
+  static constexpr int kMax = kRing;             // float [warps][16]: row maxima
+  static constexpr int kL = kMax + 16 * 16 * 4;  // float [16]: whole denominators
   static constexpr int kBytes = kL + 16 * 4;
+  static constexpr int kPa = 0;                        // in the K tile: uint4 [BN / 16][32], P fragments
+  static constexpr int kPf = (BN / 16) * 32 * 16;      // then float4 [BN / 8][32], P values
+  static_assert(kPf + (BN / 8) * 32 * 16 <= kTile, "the probabilities fit in the K tile");
   static_assert(kRing >= 16 * kStride<D> * 2, "the query tile is staged in the ring");
 };
 
@@ -286,8 +292,6 @@ __global__ void __launch_bounds__(split_warps<D>() * 32) rlk_attention_decode_sp
   const int group = cta.group, len = cta.len;
   const T* q = static_cast<const T*>(p.q);
   float* row_max = reinterpret_cast<float*>(smem + S::kMax);
-  uint4* pa = reinterpret_cast<uint4*>(smem + S::kPa);
-  float4* pf = reinterpret_cast<float4*>(smem + S::kPf);
   float* l_total = reinterpret_cast<float*>(smem + S::kL);
 
   const uint32_t base = smem_u32(smem);
@@ -309,7 +313,11 @@ __global__ void __launch_bounds__(split_warps<D>() * 32) rlk_attention_decode_sp
       base, BN * kStride<D> * 2, nblocks, PagedLoad<T, D, BN, kThreads>(p, cta, tid),
       [&](int j, uint32_t kt, uint32_t vt) {
         // The walk's barrier at the top of block j + 1 orders this block's reads of the shared
-        // maxima and probabilities before block j + 1 overwrites them.
+        // maxima and probabilities before block j + 1 overwrites the maxima and the walk refills
+        // this K tile.
+        unsigned char* k_tile = smem + (kt - base);
+        uint4* pa = reinterpret_cast<uint4*>(k_tile + S::kPa);
+        float4* pf = reinterpret_cast<float4*>(k_tile + S::kPf);
         float s[2 * KS][4];
         if (warp < kScorers) {
           float part[1][2 * KS][4];

@@ -670,7 +670,7 @@ struct GemmPlan {
 // sum beside the accumulator.
 // split_k false keeps K in one range (gemm_no_split) for a product that must repeat the bits of an
 // unsplit kernel.
-inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms, bool split_k = true) {
+inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms, bool split_k) {
   GemmPlan p{choose_gemm_tile(m, n, num_sms), split_k ? choose_gemm_split(n, k) : gemm_no_split(k), 0};
   if (p.split.splits == 1) return p;
   const GemmTile& t = p.tile;
@@ -823,14 +823,15 @@ cudaError_t launch_det_gemm_sm90(const GemmOperands& op, const Epi& epi, int num
   return launch_det_gemm_tile<128, 256, false>(op, epi, gemm_no_split(op.k), num_sms, stream);
 }
 
-// det_gemm as plan_det_gemm(op.m, op.n, op.k, num_sms) laid it out, into epi (a StoreEpilogue);
-// scratch holds plan.scratch_floats floats (null when that is 0). Split across CTAs, the tiles
+// det_gemm as plan_det_gemm(op.m, op.n, op.k, num_sms, ...) laid it out, into epi (a StoreEpilogue);
+// scratch holds plan.scratch_floats floats (null only when that is 0, else cudaErrorInvalidValue). Split across CTAs, the tiles
 // write their range sums to scratch and rlk_det_gemm_combine_kernel adds them up into epi.
 template <typename Out>
 cudaError_t launch_det_gemm_planned(const GemmOperands& op, const StoreEpilogue<Out>& epi,
                                     const GemmPlan& plan, float* scratch, int num_sms, cudaStream_t stream) {
   GemmSplit split = plan.split;
   split.scratch = scratch;
+  if (split.across && scratch == nullptr && op.m > 0 && op.n > 0) return cudaErrorInvalidValue;
   if (!split.across) return launch_det_gemm_on(plan.tile, op, epi, split, num_sms, stream);
   if (op.m <= 0 || op.n <= 0) return cudaSuccess;
   const int64_t mn = static_cast<int64_t>(op.m) * op.n;
