@@ -66,7 +66,7 @@ prepare() {  # the GPUs' names, the carried wheels, the sm_90a build
     step wheels 120 bash -c "$PY -m pip install -q --no-deps $WHEELS/*.whl" || exit 1
   fi
   if [[ -z "${SKIP_BUILD:-}" ]]; then
-    step build 300 env MAX_JOBS=16 RLK_BUILD_CUDA=1 "$PY" -m pip install -q --no-deps \
+    step build 480 env MAX_JOBS=16 RLK_BUILD_CUDA=1 "$PY" -m pip install -q --no-deps \
       --no-build-isolation -e . || exit 1
   fi
 }

@@ -30,6 +30,7 @@ SCHEMA_VERSION = 1
 KEPT = {
     "gpu__time_duration.sum": "duration_ns",
     "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct",
+    "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct",
     "dram__bytes.sum.per_second": "dram_bytes_per_s",
     "sm__throughput.avg.pct_of_peak_sustained_elapsed": "sm_pct",
     "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active": "gmma_pct",
@@ -131,8 +132,10 @@ def profile(name: str, ncu: str) -> list[dict]:
                   if k.startswith(STALL) and k.endswith(PER_ISSUE) and isinstance(number(v), float)}
         kept["top_stalls_cycles_per_issue"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1])[:6])
         launches.setdefault(raw["Kernel Name"], []).append(dict(kernel=raw["Kernel Name"], **kept))
-    # The last (third) launch of each kernel: the first two warm caches and the allocator.
-    return [runs[-1] for runs in launches.values()]
+    # The last (third) launch of each of the op's kernels: the first two warm caches and the
+    # allocator. A kernel launched fewer times belongs to the case's setup (the forward pass a
+    # backward case starts from) and is left out.
+    return [runs[-1] for runs in launches.values() if len(runs) >= 3]
 
 
 def main() -> None:
