@@ -7,6 +7,11 @@
 # download, so a pure-Python dependency such as megatron-core travels as a wheel. STEPS="a b ..."
 # runs only the named steps (and the build and models they need). DEVICE=cpu SKIP_BUILD=1 runs the
 # same plumbing on a CPU machine, to check a script itself.
+#
+# The sm_90a build takes about five minutes of GPU-machine time; EXT_OUT=folder keeps what it
+# built there as rl_engine_C-KEY.so, and EXT_CACHE=folder holding that file installs it instead of
+# building. KEY hashes every file under csrc/ and include/, setup.py, and the torch and nvcc that
+# build it, so a changed kernel or toolchain never meets an old build.
 set -uo pipefail
 
 OUT="${OUT:?set OUT to the folder for the results}"
@@ -60,13 +65,43 @@ model() {  # model PRESET: $MODEL is that preset's model, generated once under $
 # The environment of a run with every route P.
 ALL_P=(RL_KERNEL_ATTENTION_CASE=P/P RL_KERNEL_FFN_CASE=P/P RL_KERNEL_LOGP_CASE=P/P)
 
+ext_key() {  # the hash of what the extension is built from (see the top of this file)
+  { git ls-files -co --exclude-standard csrc include setup.py | sort | while read -r f; do
+      echo "$f $(git hash-object "$f")"
+    done
+    "$PY" -c 'import torch; print(torch.__version__, torch.version.cuda)'
+    nvcc --version 2>/dev/null | tail -n 1 || true  # none: the key leaves it out
+  } | sha256sum | cut -c1-16
+}
+
+ext_suffix() { "$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))'; }
+
+# install_built FILE: this tree importable as an editable install would make it, with FILE as its
+# extension (no compiler run).
+install_built() {
+  local site
+  site=$("$PY" -c 'import site; print(site.getsitepackages()[0])') || return 1
+  cp "$1" "rl_engine/_C$(ext_suffix)" && echo "$PWD" >"$site/rl_engine-tree.pth"
+}
+
 prepare() {  # the GPUs' names, the carried wheels, the sm_90a build
   nvidia-smi --query-gpu=name,memory.total --format=csv >"$OUT/gpus.csv" 2>&1
   if [[ -n "${WHEELS:-}" ]]; then
     step wheels 120 bash -c "$PY -m pip install -q --no-deps $WHEELS/*.whl" || exit 1
   fi
-  if [[ -z "${SKIP_BUILD:-}" ]]; then
-    step build 480 env MAX_JOBS=16 RLK_BUILD_CUDA=1 "$PY" -m pip install -q --no-deps \
-      --no-build-isolation -e . || exit 1
+  [[ -z "${SKIP_BUILD:-}" ]] || return 0
+  local key built
+  key=$(ext_key) || exit 1
+  built="${EXT_CACHE:-/nonexistent}/rl_engine_C-$key.so"
+  if [[ -f "$built" ]]; then
+    echo "build: using $built" >"$OUT/build.log"
+    install_built "$built" >>"$OUT/build.log" 2>&1 || exit 1
+    printf 'build\t0\t0\n' | tee -a "$OUT/steps.tsv"
+    return 0
+  fi
+  step build 480 env MAX_JOBS=16 RLK_BUILD_CUDA=1 "$PY" -m pip install -q --no-deps \
+    --no-build-isolation -e . || exit 1
+  if [[ -n "${EXT_OUT:-}" ]]; then
+    mkdir -p "$EXT_OUT" && cp "rl_engine/_C$(ext_suffix)" "$EXT_OUT/rl_engine_C-$key.so"
   fi
 }

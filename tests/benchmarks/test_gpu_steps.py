@@ -1,0 +1,100 @@
+"""benchmarks/gpu_steps.sh reuses a built extension only for the sources it was built from: the key
+follows every file under csrc/ and include/ and setup.py, a cached file is installed without a
+build, and a tree with no cached build falls through to building."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SUFFIX = sysconfig.get_config_var("EXT_SUFFIX")
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
+def tree(tmp_path: Path) -> Path:
+    """A checkout with the script, a kernel, a header and a setup.py that fails if run."""
+    repo = tmp_path / "repo"
+    (repo / "benchmarks").mkdir(parents=True)
+    shutil.copy(ROOT / "benchmarks" / "gpu_steps.sh", repo / "benchmarks")
+    files = {"csrc/op.cu": "a\n", "include/op.cuh": "b\n", "README.md": "c\n", "rl_engine/__init__.py": "",
+             "setup.py": "raise SystemExit('no compiler here')\n"}
+    for rel, text in files.items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(text)
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+    git(repo, "commit", "-qm", "one")
+    return repo
+
+
+def python_env(tmp_path: Path) -> Path:
+    """A venv of its own (site-packages the test may write to) that sees this interpreter's packages."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    Path(site, "parent-packages.pth").write_text("\n".join(p for p in sys.path if p.endswith("-packages")))
+    return python
+
+
+def steps(repo: Path, python: Path, script: str, **env: str) -> subprocess.CompletedProcess:
+    out = repo.parent / "out"
+    return subprocess.run(["bash", "-c", f"source benchmarks/gpu_steps.sh; {script}"], cwd=repo,
+                          capture_output=True, text=True, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(repo.parent), "OUT": str(out),
+                               "PYTHON": str(python), **env})
+
+
+def key(repo: Path, python: Path) -> str:
+    done = steps(repo, python, "ext_key")
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_the_key_follows_the_sources_and_nothing_else(tmp_path):
+    repo, python = tree(tmp_path), python_env(tmp_path)
+    first = key(repo, python)
+    assert len(first) == 16 and key(repo, python) == first
+    (repo / "README.md").write_text("docs change\n")
+    assert key(repo, python) == first
+    (repo / "csrc" / "op.cu").write_text("a changed kernel\n")  # uncommitted: the tree counts
+    changed = key(repo, python)
+    assert changed != first
+    (repo / "include" / "new.cuh").write_text("a new header\n")
+    assert key(repo, python) not in (first, changed)
+
+
+def test_a_cached_build_is_installed_instead_of_built(tmp_path):
+    repo, python = tree(tmp_path), python_env(tmp_path)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / f"rl_engine_C-{key(repo, python)}.so").write_bytes(b"built elsewhere")
+    done = steps(repo, python, "prepare", EXT_CACHE=str(cache))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (repo / "rl_engine" / f"_C{SUFFIX}").read_bytes() == b"built elsewhere"
+    site = subprocess.run([str(python), "-c", "import rl_engine; print(rl_engine.__file__)"], cwd=tmp_path,
+                          check=True, capture_output=True, text=True).stdout.strip()
+    assert Path(site) == repo / "rl_engine" / "__init__.py"
+    assert (tmp_path / "out" / "steps.tsv").read_text() == "build\t0\t0\n"
+
+
+def test_a_tree_without_its_cached_build_is_built(tmp_path):
+    repo, python = tree(tmp_path), python_env(tmp_path)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "rl_engine_C-0000000000000000.so").write_bytes(b"another tree's build")
+    done = steps(repo, python, "prepare", EXT_CACHE=str(cache))
+    # The build ran (this tree's setup.py refuses to), so prepare stops there.
+    assert done.returncode == 1
+    build = (tmp_path / "out" / "steps.tsv").read_text().splitlines()[-1].split("\t")
+    assert build[0] == "build" and build[1] != "0"
+    assert not (repo / "rl_engine" / f"_C{SUFFIX}").exists()
