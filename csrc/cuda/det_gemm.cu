@@ -8,6 +8,7 @@
 
 #include <climits>
 
+#include "cuda/det_gemm_instances.h"
 #include "cuda/glue.cuh"
 #include "kernel_counters.h"
 

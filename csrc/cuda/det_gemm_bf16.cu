@@ -1,0 +1,8 @@
+// det_gemm's kernels with __nv_bfloat16 output (see det_gemm_instances.h). No torch headers here.
+#include "cuda/det_gemm_instances.h"
+
+namespace rl_engine::cuda {
+
+RLK_DET_GEMM_PLANNED(__nv_bfloat16);
+
+}  // namespace rl_engine::cuda
