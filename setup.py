@@ -1,13 +1,28 @@
 """Builds rl_engine._C: CPU kernels always; the sm_90a kernels when a CUDA toolkit and a CUDA torch
-are present (RLK_BUILD_CUDA=1 forces them, RLK_BUILD_CUDA=0 leaves them out)."""
+are present (RLK_BUILD_CUDA=1 forces them, RLK_BUILD_CUDA=0 leaves them out).
+RLK_PREBUILT_EXTENSION=FILE installs FILE as rl_engine._C instead of compiling (a build of these same
+sources kept from an earlier run; benchmarks/gpu_steps.sh checks that it is)."""
 
 import json
 import os
+import shutil
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).parent.resolve()
+PREBUILT = os.environ.get("RLK_PREBUILT_EXTENSION", "").strip()
+
+
+class _CopyPrebuilt(build_ext):
+    def build_extension(self, ext):
+        source = Path(PREBUILT)
+        if not source.is_file():
+            raise FileNotFoundError(f"RLK_PREBUILT_EXTENSION={PREBUILT}: no such file; unset it to compile")
+        target = Path(self.get_ext_fullpath(ext.name))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
 
 
 def _cuda_wanted() -> bool:
@@ -50,4 +65,7 @@ def _build_ext():
     return BuildExtension.with_options(use_ninja=True)
 
 
-setup(ext_modules=[_extension()], cmdclass={"build_ext": _build_ext()})
+if PREBUILT:
+    setup(ext_modules=[Extension("rl_engine._C", [])], cmdclass={"build_ext": _CopyPrebuilt})
+else:
+    setup(ext_modules=[_extension()], cmdclass={"build_ext": _build_ext()})

@@ -8,10 +8,11 @@
 # runs only the named steps (and the build and models they need). DEVICE=cpu SKIP_BUILD=1 runs the
 # same plumbing on a CPU machine, to check a script itself.
 #
-# The sm_90a build takes about five minutes of GPU-machine time; EXT_OUT=folder keeps what it
-# built there as rl_engine_C-KEY.so, and EXT_CACHE=folder holding that file installs it instead of
-# building. KEY hashes every file under csrc/ and include/, setup.py, and the torch and nvcc that
-# build it, so a changed kernel or toolchain never meets an old build.
+# The sm_90a build takes minutes of GPU-machine time; EXT_OUT=folder keeps what it built there as
+# rl_engine_C-KEY.so, and EXT_CACHE=folder holding that file installs it (setup.py's
+# RLK_PREBUILT_EXTENSION) instead of building. KEY hashes the content of every file under csrc/
+# and include/ and setup.py, the torch, Python ABI, nvcc and host compiler that build them, so a
+# changed kernel or toolchain never meets an old build.
 set -uo pipefail
 
 OUT="${OUT:?set OUT to the folder for the results}"
@@ -66,23 +67,25 @@ model() {  # model PRESET: $MODEL is that preset's model, generated once under $
 ALL_P=(RL_KERNEL_ATTENTION_CASE=P/P RL_KERNEL_FFN_CASE=P/P RL_KERNEL_LOGP_CASE=P/P)
 
 ext_key() {  # the hash of what the extension is built from (see the top of this file)
-  { git ls-files -co --exclude-standard csrc include setup.py | sort | while read -r f; do
-      echo "$f $(git hash-object "$f")"
-    done
-    "$PY" -c 'import torch; print(torch.__version__, torch.version.cuda)'
-    nvcc --version 2>/dev/null | tail -n 1 || true  # none: the key leaves it out
+  if [[ ! -d csrc || ! -d include || ! -f setup.py ]]; then
+    echo "ext_key: run it from the repository root" >&2
+    return 1
+  fi
+  { find csrc include setup.py -type f -print0 | sort -z | xargs -0 sha256sum
+    "$PY" - <<'PY'
+import subprocess, sysconfig, torch
+from torch.utils.cpp_extension import CUDA_HOME
+print(torch.__version__, torch.version.cuda, sysconfig.get_config_var("EXT_SUFFIX"))
+for tool in ([f"{CUDA_HOME}/bin/nvcc"] if CUDA_HOME else []) + ["c++"]:
+    try:
+        print(subprocess.run([tool, "--version"], capture_output=True, text=True).stdout.split("\n")[:4])
+    except OSError:
+        print(tool, "absent")
+PY
   } | sha256sum | cut -c1-16
 }
 
 ext_suffix() { "$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))'; }
-
-# install_built FILE: this tree importable as an editable install would make it, with FILE as its
-# extension (no compiler run).
-install_built() {
-  local site
-  site=$("$PY" -c 'import site; print(site.getsitepackages()[0])') || return 1
-  cp "$1" "rl_engine/_C$(ext_suffix)" && echo "$PWD" >"$site/rl_engine-tree.pth"
-}
 
 prepare() {  # the GPUs' names, the carried wheels, the sm_90a build
   nvidia-smi --query-gpu=name,memory.total --format=csv >"$OUT/gpus.csv" 2>&1
@@ -93,15 +96,15 @@ prepare() {  # the GPUs' names, the carried wheels, the sm_90a build
   local key built
   key=$(ext_key) || exit 1
   built="${EXT_CACHE:-/nonexistent}/rl_engine_C-$key.so"
-  if [[ -f "$built" ]]; then
-    echo "build: using $built" >"$OUT/build.log"
-    install_built "$built" >>"$OUT/build.log" 2>&1 || exit 1
-    printf 'build\t0\t0\n' | tee -a "$OUT/steps.tsv"
+  if [[ -f "$built" ]]; then  # an editable install as the build makes it, the compiler not run
+    step build 120 env RLK_PREBUILT_EXTENSION="$built" "$PY" -m pip install -q --no-deps \
+      --no-build-isolation -e . || exit 1
     return 0
   fi
   step build 480 env MAX_JOBS=16 RLK_BUILD_CUDA=1 "$PY" -m pip install -q --no-deps \
     --no-build-isolation -e . || exit 1
   if [[ -n "${EXT_OUT:-}" ]]; then
-    mkdir -p "$EXT_OUT" && cp "rl_engine/_C$(ext_suffix)" "$EXT_OUT/rl_engine_C-$key.so"
+    mkdir -p "$EXT_OUT" && cp "rl_engine/_C$(ext_suffix)" "$EXT_OUT/rl_engine_C-$key.so" \
+      || echo "prepare: could not keep the build in EXT_OUT=$EXT_OUT" | tee -a "$OUT/build.log" >&2
   fi
 }

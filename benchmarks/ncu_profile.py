@@ -4,9 +4,10 @@ use, achieved occupancy, and why warps stall.
 
     python benchmarks/ncu_profile.py --out ncu.json [--cases decode128,rmsnorm_bwd]
 
-runs `ncu --set full` once per case on this same script (`--run CASE`), which calls the op three
-times; the third launch of each of the case's kernels is the profiled one. Needs `ncu` on PATH and a
-GPU; clocks are left as they are (--clock-control none), as the timed benchmarks run.
+runs `ncu --set full` once per case on this same script (`--run CASE`), which sets the case up
+unprofiled and then calls the op three times inside a profiler range; the third launch of each of
+its kernels is the one kept. Needs `ncu` on PATH and a GPU; clocks are left as they are
+(--clock-control none), as the timed benchmarks run.
 """
 
 from __future__ import annotations
@@ -99,13 +100,19 @@ def cases():
     }
 
 
+LAUNCHES = 3  # of the op per case; the last is the one kept (the others warm caches and allocator)
+
+
 def run_case(name: str) -> None:
     import torch
 
-    fn = cases()[name]()
-    for _ in range(3):
+    fn = cases()[name]()  # the setup (inputs, a backward case's forward) runs unprofiled
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for _ in range(LAUNCHES):
         fn()
     torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
 
 
 def number(text: str):
@@ -116,13 +123,16 @@ def number(text: str):
 
 
 def profile(name: str, ncu: str) -> list[dict]:
-    cmd = [ncu, "--set", "full", "--clock-control", "none", "-k", "regex:rlk_", "--csv", "--page", "raw",
+    cmd = [ncu, "--set", "full", "--clock-control", "none", "--profile-from-start", "off",
+           "-k", "regex:rlk_", "--csv", "--page", "raw", "--print-units", "base",
            sys.executable, __file__, "--run", name]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise RuntimeError(f"ncu failed on {name} (rc {done.returncode}):\n{done.stderr[-2000:]}")
-    text = done.stdout[done.stdout.find('"ID"'):]
-    rows = list(csv.reader(io.StringIO(text)))
+    at = done.stdout.find('"ID"')
+    if done.returncode != 0 or at < 0:
+        # ncu's own errors (==ERROR==) go to stdout, the profiled program's to stderr.
+        raise RuntimeError(f"ncu on case {name} gave rc {done.returncode} and no profile table:\n"
+                           f"{done.stdout[-1500:]}\n{done.stderr[-1500:]}")
+    rows = list(csv.reader(io.StringIO(done.stdout[at:])))
     header, body = rows[0], [r for r in rows[2:] if len(r) == len(rows[0])]  # rows[1]: units
     launches: dict[str, list[dict]] = {}
     for row in body:
@@ -132,10 +142,9 @@ def profile(name: str, ncu: str) -> list[dict]:
                   if k.startswith(STALL) and k.endswith(PER_ISSUE) and isinstance(number(v), float)}
         kept["top_stalls_cycles_per_issue"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1])[:6])
         launches.setdefault(raw["Kernel Name"], []).append(dict(kernel=raw["Kernel Name"], **kept))
-    # The last (third) launch of each of the op's kernels: the first two warm caches and the
-    # allocator. A kernel launched fewer times belongs to the case's setup (the forward pass a
-    # backward case starts from) and is left out.
-    return [runs[-1] for runs in launches.values() if len(runs) >= 3]
+    if not launches:
+        raise RuntimeError(f"ncu profiled no rlk_ kernel in case {name}: did the op run on the GPU?")
+    return [runs[-1] for runs in launches.values()]
 
 
 def main() -> None:
@@ -160,12 +169,12 @@ def main() -> None:
         sys.exit(f"ncu_profile: unknown case(s) {unknown}; choose from {sorted(cases())}")
     source = source_of(args, Path(__file__).resolve().parent)
     result = dict(schema_version=SCHEMA_VERSION, source=source, profiles={})
-    for name in names:
+    for name in names:  # the file is rewritten after each case, so a run cut short keeps those done
         result["profiles"][name] = profile(name, ncu)
         print(json.dumps({name: result["profiles"][name]}, indent=1), flush=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(args.out)
+        tmp = args.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(args.out)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """benchmarks/gpu_steps.sh reuses a built extension only for the sources it was built from: the key
-follows every file under csrc/ and include/ and setup.py, a cached file is installed without a
-build, and a tree with no cached build falls through to building."""
+follows the content of every file under csrc/ and include/ and setup.py (with or without git), a
+cached file becomes an editable install without a compiler run, and a tree with no cached build of
+its own falls through to building."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SUFFIX = sysconfig.get_config_var("EXT_SUFFIX")
@@ -20,12 +23,14 @@ def git(repo: Path, *args: str) -> str:
 
 
 def tree(tmp_path: Path) -> Path:
-    """A checkout with the script, a kernel, a header and a setup.py that fails if run."""
+    """A checkout with the script, the packaging files, a kernel and a header (no CUDA here, so a
+    build of it fails)."""
     repo = tmp_path / "repo"
     (repo / "benchmarks").mkdir(parents=True)
-    shutil.copy(ROOT / "benchmarks" / "gpu_steps.sh", repo / "benchmarks")
+    for rel in ("benchmarks/gpu_steps.sh", "setup.py", "pyproject.toml"):
+        shutil.copy(ROOT / rel, repo / rel)
     files = {"csrc/op.cu": "a\n", "include/op.cuh": "b\n", "README.md": "c\n", "rl_engine/__init__.py": "",
-             "setup.py": "raise SystemExit('no compiler here')\n"}
+             "rl_engine/cli.py": "def main():\n    pass\n"}
     for rel, text in files.items():
         (repo / rel).parent.mkdir(parents=True, exist_ok=True)
         (repo / rel).write_text(text)
@@ -70,7 +75,12 @@ def test_the_key_follows_the_sources_and_nothing_else(tmp_path):
     changed = key(repo, python)
     assert changed != first
     (repo / "include" / "new.cuh").write_text("a new header\n")
-    assert key(repo, python) not in (first, changed)
+    added = key(repo, python)
+    assert added not in (first, changed)
+    shutil.rmtree(repo / ".git")  # a copy without history: the files still decide
+    assert key(repo, python) == added
+    (repo / "include" / "op.cuh").write_text("b changed\n")
+    assert key(repo, python) != added
 
 
 def test_a_cached_build_is_installed_instead_of_built(tmp_path):
@@ -81,10 +91,16 @@ def test_a_cached_build_is_installed_instead_of_built(tmp_path):
     done = steps(repo, python, "prepare", EXT_CACHE=str(cache))
     assert done.returncode == 0, done.stdout + done.stderr
     assert (repo / "rl_engine" / f"_C{SUFFIX}").read_bytes() == b"built elsewhere"
-    site = subprocess.run([str(python), "-c", "import rl_engine; print(rl_engine.__file__)"], cwd=tmp_path,
-                          check=True, capture_output=True, text=True).stdout.strip()
-    assert Path(site) == repo / "rl_engine" / "__init__.py"
-    assert (tmp_path / "out" / "steps.tsv").read_text() == "build\t0\t0\n"
+    # An editable install like the build's: the package resolves to the tree and keeps its
+    # metadata (the rlk script, the vLLM plugin entry point).
+    probe = ("import importlib.metadata as m, rl_engine; print(rl_engine.__file__); "
+             "print(sorted(e.name for e in m.distribution('rl-engine').entry_points))")
+    where, entry_points = subprocess.run([str(python), "-c", probe], cwd=tmp_path, check=True,
+                                         capture_output=True, text=True).stdout.split("\n")[:2]
+    assert Path(where) == repo / "rl_engine" / "__init__.py"
+    assert entry_points == "['rl_engine', 'rlk']"
+    build = (tmp_path / "out" / "steps.tsv").read_text().split("\t")
+    assert build[:2] == ["build", "0"]
 
 
 def test_a_tree_without_its_cached_build_is_built(tmp_path):
@@ -93,8 +109,10 @@ def test_a_tree_without_its_cached_build_is_built(tmp_path):
     cache.mkdir()
     (cache / "rl_engine_C-0000000000000000.so").write_bytes(b"another tree's build")
     done = steps(repo, python, "prepare", EXT_CACHE=str(cache))
-    # The build ran (this tree's setup.py refuses to), so prepare stops there.
+    # The build ran (with no CUDA here setup.py refuses to), so prepare stops there.
     assert done.returncode == 1
     build = (tmp_path / "out" / "steps.tsv").read_text().splitlines()[-1].split("\t")
     assert build[0] == "build" and build[1] != "0"
+    if torch.version.cuda is None:  # with a CUDA torch it compiles this tree's stub kernel, and fails there
+        assert "RLK_BUILD_CUDA=1 but no CUDA torch" in (tmp_path / "out" / "build.log").read_text()
     assert not (repo / "rl_engine" / f"_C{SUFFIX}").exists()

@@ -88,7 +88,8 @@ def gemm_split(n, k):
     return -(-units // per), 256 * per
 
 
-# 6 ranges; 3; 3 with a short last one; 6 at an odd N (the workspace's single-column stores); 8.
+# K in 6 ranges (5 of 768, then 256); 3 (1024, 1024, 552); 3 (256, 256, 8); 6 at an odd N (the
+# workspace's single-column stores); 8.
 @pytest.mark.parametrize("n, k", [(1024, 4096), (2560, 2600), (1000, 520), (1001, 2600), (640, 4096)])
 def test_det_gemm_adds_its_k_ranges_in_order(ops, n, k):
     """Every row of det_gemm is its K ranges' sums added in range order, then rounded once: the
@@ -135,7 +136,7 @@ def test_det_gemm_reads_its_inputs_only_once_they_are_written(ops):
         w = randn(n, n, scale=n ** -0.5, seed=21)
         x = randn(m, n, seed=22)
         ref = chain(x, sync=True)
-        assert all(torch.equal(a, b) for a, b in zip(chain(x, sync=False), ref)), m
+        assert all(torch.equal(a, b) for a, b in zip(chain(x, sync=False), ref)), (n, m)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -146,7 +147,7 @@ def test_det_gemm_reads_its_inputs_only_once_they_are_written(ops):
             outs = chain(x, sync=False)
         graph.replay()
         torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(outs, ref)), m
+        assert all(torch.equal(a, b) for a, b in zip(outs, ref)), (n, m)
 
 
 def pitched(t, extra=1):
