@@ -127,13 +127,18 @@ def profile(name: str, ncu: str) -> list[dict]:
            "-k", "regex:rlk_", "--csv", "--page", "raw", "--print-units", "base",
            sys.executable, __file__, "--run", name]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    at = done.stdout.find('"ID"')
-    if done.returncode != 0 or at < 0:
+    if done.returncode != 0 or '"ID"' not in done.stdout:
         # ncu's own errors (==ERROR==) go to stdout, the profiled program's to stderr.
         raise RuntimeError(f"ncu on case {name} gave rc {done.returncode} and no profile table:\n"
                            f"{done.stdout[-1500:]}\n{done.stderr[-1500:]}")
-    rows = list(csv.reader(io.StringIO(done.stdout[at:])))
-    header, body = rows[0], [r for r in rows[2:] if len(r) == len(rows[0])]  # rows[1]: units
+    return summarize(done.stdout, name)
+
+
+def summarize(stdout: str, name: str) -> list[dict]:
+    """The kept figures of the last launch of each kernel in ncu's `--csv --page raw` output: a
+    header row of metric names, a row of units, then a row per profiled launch."""
+    rows = list(csv.reader(io.StringIO(stdout[stdout.find('"ID"'):])))
+    header, body = rows[0], [r for r in rows[2:] if len(r) == len(rows[0])]
     launches: dict[str, list[dict]] = {}
     for row in body:
         raw = dict(zip(header, row))
