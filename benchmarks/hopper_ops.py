@@ -10,7 +10,9 @@ device-to-device copy and the 4.8 TB/s datasheet figure, at 32768 tokens. Shapes
                                     [--sections gemm,memory,logp]
 
 The JSON records the commit of the checkout it ran from, whether tracked files differed from it
-(dirty) and which ones (changed_files), so a result names the code it measured.
+(dirty) and which ones (changed_files), so a result names the code it measured, and under
+`targets` whether each speed target (benchmarks/hopper_targets.py) is met, by how many rows, and
+the worst row.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import rl_engine.ops  # noqa: F401  (loads the extension and its fake kernels)
+from hopper_targets import DATASHEET_TBS, WEIGHT_STREAM_M, judge
 from provenance import add_source_args, source_of
 from rl_engine.ops import _lib
 from rl_engine.ops.logp import num_tiles, production_selected_logp
@@ -32,7 +35,6 @@ from rl_engine.ops.rope import production_rope
 SCHEMA_VERSION = 1
 RESULT = Path(__file__).resolve().parent / "results" / "hopper_ops.json"
 DT = torch.bfloat16
-DATASHEET_TBS = 4.8
 # (name, N, K): the square and wide/deep cases, then the projections of Qwen3-4B and Qwen3-8B
 # (q and kv alone, and fused as the model runs them; o; gate-up fused; down).
 GEMM_SHAPES = [
@@ -43,7 +45,6 @@ GEMM_SHAPES = [
 ]  # 8B's q and o are "square", its down "deep"
 GEMM_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 8192]
 L2_BYTES = 60 * 2**20
-WEIGHT_STREAM_M = 16  # at M up to this the weight stream's bandwidth is reported
 
 
 def randn(*shape, scale=1.0, dtype=DT):
@@ -269,8 +270,11 @@ def main():
     result["gemm"] = gemm_rows(ops, args.repeats, args.quick) if "gemm" in sections else []
     result["memory_bound"] = memory_rows(ops, args.repeats, copy) if "memory" in sections else []
     result["linear_logp"] = logp_rows(ops, args.repeats, args.quick) if "logp" in sections else []
+    result["targets"] = judge(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(args.out)
     print(f"copy {copy:.2f} TB/s")
     for row in result["gemm"]:
         stream = f"  W {row['r_weight_tbs']:.2f} TB/s" if "r_weight_tbs" in row else ""
@@ -286,6 +290,10 @@ def main():
                  f" MiB  vs the LM-head GEMM alone {row['ratio_vs_lm_head_gemm']:.3f}"
                  if "memory_fraction" in row else "")
         print(f"{row['op']:22s} R {row['r_ms']:7.2f} ms  P {row['p_ms']:7.2f} ms  ratio {row['ratio']:.3f}{extra}")
+    for name, v in result["targets"].items():
+        if v["met"] is not None:
+            print(f"target {name} {v['target']:g}: {'met' if v['met'] else 'MISSED'} "
+                  f"({v['rows_met']} of {v['rows']} rows; worst {v['worst']})")
 
 
 if __name__ == "__main__":

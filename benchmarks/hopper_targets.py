@@ -1,0 +1,60 @@
+"""The speed targets of the Hopper ops (production time / ours in the same run, CUDA events, medians)
+and the verdict of a hopper_ops.py result against them: for each target whether every row it covers
+reaches it, how many do, and the worst row. A target whose section did not run is not judged."""
+
+from __future__ import annotations
+
+DATASHEET_TBS = 4.8
+DECODE_M = (1, 2, 4, 8, 16, 32, 64, 128)
+LARGE_M = (256, 1024, 4096, 8192)
+WEIGHT_STREAM_M = 16
+TARGETS = {
+    "det_gemm_ratio_decode_m": 1.0,  # every shape at M in DECODE_M
+    "det_gemm_ratio_large_m": 0.95,  # every shape at M in LARGE_M
+    "det_gemm_weight_stream_hbm_fraction": 0.5,  # of the datasheet, at M <= WEIGHT_STREAM_M
+    "det_gemm_backward_ratio": 0.9,  # grad_input and grad_weight
+    "linear_logp_ratio_vs_lm_head_gemm": 1.0,
+    "linear_logp_extra_memory_below_bytes": 1e8,
+    "linear_logp_backward_ratio": 1.0,
+    "rmsnorm_backward_tbs": 3.4,
+}
+
+
+def _verdict(rows: list[dict], value, bar: float, name, at_least: bool = True) -> dict:
+    if not rows:
+        return dict(target=bar, met=None, rows=0, rows_met=0, worst=None)
+    reaches = (lambda r: value(r) >= bar) if at_least else (lambda r: value(r) < bar)
+    worst = min(rows, key=value) if at_least else max(rows, key=value)
+    met = sum(1 for r in rows if reaches(r))
+    return dict(target=bar, met=met == len(rows), rows=len(rows), rows_met=met,
+                worst=f"{name(worst)}: {value(worst):.4g}")
+
+
+def judge(result: dict) -> dict:
+    gemm = [r for r in result.get("gemm", []) if r["op"] == "det_gemm"]
+    backward = [r for r in result.get("gemm", []) if r["op"] in ("det_gemm_grad_input", "det_gemm_grad_weight")]
+    memory = {r["op"]: r for r in result.get("memory_bound", [])}
+    logp = {r["op"]: r for r in result.get("linear_logp", [])}
+    shape = lambda r: f"{r['shape']} m={r['m']}"  # noqa: E731
+    ratio = lambda r: r["ratio"]  # noqa: E731
+    t = TARGETS
+    return {
+        "det_gemm_ratio_decode_m": _verdict([r for r in gemm if r["m"] in DECODE_M], ratio,
+                                            t["det_gemm_ratio_decode_m"], shape),
+        "det_gemm_ratio_large_m": _verdict([r for r in gemm if r["m"] in LARGE_M], ratio,
+                                           t["det_gemm_ratio_large_m"], shape),
+        "det_gemm_weight_stream_hbm_fraction": _verdict(
+            [r for r in gemm if r["m"] <= WEIGHT_STREAM_M and "r_weight_tbs" in r],
+            lambda r: r["r_weight_tbs"] / DATASHEET_TBS, t["det_gemm_weight_stream_hbm_fraction"], shape),
+        "det_gemm_backward_ratio": _verdict(backward, ratio, t["det_gemm_backward_ratio"], lambda r: r["op"]),
+        "linear_logp_ratio_vs_lm_head_gemm": _verdict(
+            [logp[k] for k in ("linear_logp",) if k in logp], lambda r: r["ratio_vs_lm_head_gemm"],
+            t["linear_logp_ratio_vs_lm_head_gemm"], lambda r: r["op"]),
+        "linear_logp_extra_memory_below_bytes": _verdict(
+            [logp[k] for k in ("linear_logp",) if k in logp], lambda r: r["r_extra_peak_bytes"],
+            t["linear_logp_extra_memory_below_bytes"], lambda r: r["op"], at_least=False),
+        "linear_logp_backward_ratio": _verdict([logp[k] for k in ("linear_logp_backward",) if k in logp], ratio,
+                                               t["linear_logp_backward_ratio"], lambda r: r["op"]),
+        "rmsnorm_backward_tbs": _verdict([memory[k] for k in ("rmsnorm_backward",) if k in memory],
+                                         lambda r: r["r_tbs"], t["rmsnorm_backward_tbs"], lambda r: r["op"]),
+    }
