@@ -87,16 +87,34 @@ def cases():
         x, w = randn(m, k), randn(n, k) * k ** -0.5
         return lambda: ops.det_gemm(x, w, None)
 
+    def linear_logp(backward, t=8192, h=4096, v=32768, tile=256):
+        # A quarter of Qwen3's vocabulary: the same kernels and tiles, a quarter of the launches.
+        from rl_engine.ops.logp import num_tiles
+
+        hidden, weight = randn(t, h), randn(v, h) * 0.02
+        target = torch.randint(0, v, (t,), device=dev)
+        m, s, tl = ops.linear_logp_partial(hidden, weight, target, 0, tile, num_tiles(v, tile))
+        if not backward:
+            return lambda: ops.linear_logp_partial(hidden, weight, target, 0, tile, num_tiles(v, tile))
+        lse, grad = ops.logp_combine(m[None], s[None], tl[None])[1], torch.randn(t, device=dev)
+        return lambda: ops.linear_logp_backward(grad, hidden, weight, target, lse, 0)
+
     return {
         "decode128": lambda: decode(128),
         "decode64": lambda: decode(64),
         "attn_fwd128": lambda: prefill(8192, 128, False),
         "attn_bwd128": lambda: prefill(8192, 128, True),
+        "attn_fwd64": lambda: prefill(8192, 64, False),
+        "attn_bwd64": lambda: prefill(8192, 64, True),
+        "linear_logp_fwd": lambda: linear_logp(False),
+        "linear_logp_bwd": lambda: linear_logp(True),
         "rmsnorm_bwd": rmsnorm_bwd,
         "gemm_8b_kv_m8192": lambda: gemm(8192, 1024, 4096),
         "gemm_square_m8192": lambda: gemm(8192, 4096, 4096),
         "gemm_deep_m16": lambda: gemm(16, 4096, 12288),
         "gemm_8b_kv_m64": lambda: gemm(64, 1024, 4096),
+        "gemm_4b_o_m128": lambda: gemm(128, 2560, 4096),
+        "gemm_8b_kv_m1024": lambda: gemm(1024, 1024, 4096),
     }
 
 
