@@ -280,6 +280,9 @@ struct SplitSmem {
   static_assert(kPf + (BN / 8) * 32 * 16 <= kTile, "the probabilities fit in the K tile");
   static_assert(kRing >= 16 * kStride<D> * 2, "the query tile is staged in the ring");
 };
+// The occupancy the paragraph above is for: an SM's 228 KiB hold four head_dim 64 CTAs at BN 64
+// (each with its 1 KiB the hardware reserves), so batch 64 x 8 kv heads decodes in one wave.
+static_assert(4 * (SplitSmem<64, 64>::kBytes + 1024) <= 228 * 1024, "four head_dim 64 decode CTAs an SM");
 
 template <typename T, int D, int BN>
 __global__ void __launch_bounds__(split_warps<D>() * 32) rlk_attention_decode_split_kernel(DecodeParams p) {
