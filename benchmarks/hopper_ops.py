@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import rl_engine.ops  # noqa: F401  (loads the extension and its fake kernels)
 from hopper_targets import DATASHEET_TBS, WEIGHT_STREAM_M, judge
 from provenance import add_source_args, source_of
+from rl_engine.artifacts import files
 from rl_engine.ops import _lib
 from rl_engine.ops.logp import num_tiles, production_selected_logp
 from rl_engine.ops.rope import production_rope
@@ -271,10 +272,7 @@ def main():
     result["memory_bound"] = memory_rows(ops, args.repeats, copy) if "memory" in sections else []
     result["linear_logp"] = logp_rows(ops, args.repeats, args.quick) if "logp" in sections else []
     result["targets"] = judge(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(args.out)
+    files.write_json(args.out, result)
     print(f"copy {copy:.2f} TB/s")
     for row in result["gemm"]:
         stream = f"  W {row['r_weight_tbs']:.2f} TB/s" if "r_weight_tbs" in row else ""

@@ -30,6 +30,10 @@ def _verdict(rows: list[dict], value, bar: float, name, at_least: bool = True) -
                 worst=f"{name(worst)}: {value(worst):.4g}")
 
 
+def _row(rows: dict, op: str) -> list[dict]:
+    return [rows[op]] if op in rows else []
+
+
 def judge(result: dict) -> dict:
     gemm = [r for r in result.get("gemm", []) if r["op"] == "det_gemm"]
     backward = [r for r in result.get("gemm", []) if r["op"] in ("det_gemm_grad_input", "det_gemm_grad_weight")]
@@ -48,13 +52,13 @@ def judge(result: dict) -> dict:
             lambda r: r["r_weight_tbs"] / DATASHEET_TBS, t["det_gemm_weight_stream_hbm_fraction"], shape),
         "det_gemm_backward_ratio": _verdict(backward, ratio, t["det_gemm_backward_ratio"], lambda r: r["op"]),
         "linear_logp_ratio_vs_lm_head_gemm": _verdict(
-            [logp[k] for k in ("linear_logp",) if k in logp], lambda r: r["ratio_vs_lm_head_gemm"],
+            _row(logp, "linear_logp"), lambda r: r["ratio_vs_lm_head_gemm"],
             t["linear_logp_ratio_vs_lm_head_gemm"], lambda r: r["op"]),
         "linear_logp_extra_memory_below_bytes": _verdict(
-            [logp[k] for k in ("linear_logp",) if k in logp], lambda r: r["r_extra_peak_bytes"],
+            _row(logp, "linear_logp"), lambda r: r["r_extra_peak_bytes"],
             t["linear_logp_extra_memory_below_bytes"], lambda r: r["op"], at_least=False),
-        "linear_logp_backward_ratio": _verdict([logp[k] for k in ("linear_logp_backward",) if k in logp], ratio,
+        "linear_logp_backward_ratio": _verdict(_row(logp, "linear_logp_backward"), ratio,
                                                t["linear_logp_backward_ratio"], lambda r: r["op"]),
-        "rmsnorm_backward_tbs": _verdict([memory[k] for k in ("rmsnorm_backward",) if k in memory],
+        "rmsnorm_backward_tbs": _verdict(_row(memory, "rmsnorm_backward"),
                                          lambda r: r["r_tbs"], t["rmsnorm_backward_tbs"], lambda r: r["op"]),
     }

@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import add_source_args, source_of  # noqa: E402
+from rl_engine.artifacts import files  # noqa: E402
 
 SCHEMA_VERSION = 1
 # The figures kept from ncu's raw page, by metric name: what share of a unit's peak the kernel
@@ -195,9 +196,7 @@ def main() -> None:
     for name in names:  # the file is rewritten after each case, so a run cut short keeps those done
         result["profiles"][name] = profile(name, ncu)
         print(json.dumps({name: result["profiles"][name]}, indent=1), flush=True)
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(args.out)
+        files.write_json(args.out, result)
 
 
 if __name__ == "__main__":

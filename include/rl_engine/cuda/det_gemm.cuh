@@ -824,16 +824,17 @@ cudaError_t launch_det_gemm_sm90(const GemmOperands& op, const Epi& epi, int num
 }
 
 // det_gemm as plan_det_gemm(op.m, op.n, op.k, num_sms, ...) laid it out, into epi (a StoreEpilogue);
-// scratch holds plan.scratch_floats floats (null only when that is 0, else cudaErrorInvalidValue). Split across CTAs, the tiles
-// write their range sums to scratch and rlk_det_gemm_combine_kernel adds them up into epi.
+// scratch holds plan.scratch_floats floats (null only when that is 0: a split across CTAs without it
+// is cudaErrorInvalidValue). Split across CTAs, the tiles write their range sums to scratch and
+// rlk_det_gemm_combine_kernel adds them up into epi.
 template <typename Out>
 cudaError_t launch_det_gemm_planned(const GemmOperands& op, const StoreEpilogue<Out>& epi,
                                     const GemmPlan& plan, float* scratch, int num_sms, cudaStream_t stream) {
   GemmSplit split = plan.split;
   split.scratch = scratch;
-  if (split.across && scratch == nullptr && op.m > 0 && op.n > 0) return cudaErrorInvalidValue;
   if (!split.across) return launch_det_gemm_on(plan.tile, op, epi, split, num_sms, stream);
   if (op.m <= 0 || op.n <= 0) return cudaSuccess;
+  if (scratch == nullptr) return cudaErrorInvalidValue;
   const int64_t mn = static_cast<int64_t>(op.m) * op.n;
   const StoreEpilogue<float> sums{scratch, op.n, nullptr, false, op.n % 2 == 0, false, mn};
   cudaError_t e = launch_det_gemm_on(plan.tile, op, sums, split, num_sms, stream);
