@@ -105,12 +105,13 @@ __device__ __forceinline__ void quad_max(float (&mx)[2]) {
   }
 }
 
-// Moves the running max to include the block's max mx and rescales l and the NO output tiles;
-// ms receives the new max times scale_log2 (0 while the row has seen no visible key).
+// Moves the running max to include the block's max mx and rescales l; alpha receives the factor
+// the output tiles take (rescale_output) and ms the new max times scale_log2 (0 while the row has
+// seen no visible key). Split from the output's rescale so that a kernel may apply that one once
+// the output's previous products have landed.
 template <int NO>
-__device__ __forceinline__ void rescale_rows(RowState<NO>& st, const float (&mx)[2], float scale_log2,
-                                             float (&ms)[2]) {
-  float alpha[2];
+__device__ __forceinline__ void move_max(RowState<NO>& st, const float (&mx)[2], float scale_log2,
+                                         float (&ms)[2], float (&alpha)[2]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float m_new = fmaxf(st.m[r], mx[r]);
@@ -119,13 +120,26 @@ __device__ __forceinline__ void rescale_rows(RowState<NO>& st, const float (&mx)
     st.m[r] = m_new;
     st.l[r] = __fmul_rn(st.l[r], alpha[r]);
   }
+}
+
+template <int NO>
+__device__ __forceinline__ void rescale_output(float (&o)[NO][4], const float (&alpha)[2]) {
 #pragma unroll
   for (int d = 0; d < NO; ++d) {
-    st.o[d][0] = __fmul_rn(st.o[d][0], alpha[0]);
-    st.o[d][1] = __fmul_rn(st.o[d][1], alpha[0]);
-    st.o[d][2] = __fmul_rn(st.o[d][2], alpha[1]);
-    st.o[d][3] = __fmul_rn(st.o[d][3], alpha[1]);
+    o[d][0] = __fmul_rn(o[d][0], alpha[0]);
+    o[d][1] = __fmul_rn(o[d][1], alpha[0]);
+    o[d][2] = __fmul_rn(o[d][2], alpha[1]);
+    o[d][3] = __fmul_rn(o[d][3], alpha[1]);
   }
+}
+
+// move_max, then the output's rescale.
+template <int NO>
+__device__ __forceinline__ void rescale_rows(RowState<NO>& st, const float (&mx)[2], float scale_log2,
+                                             float (&ms)[2]) {
+  float alpha[2];
+  move_max(st, mx, scale_log2, ms, alpha);
+  rescale_output(st.o, alpha);
 }
 
 // s -> exp2(s * scale_log2 - ms) for NT n8 key tiles.

@@ -87,9 +87,10 @@ struct WgDkv {
   static_assert(kDkvKeys == 128, "two consumer warpgroups of 64 keys");
 };
 
-// *addr += (x, y) as a reduction in memory (no value comes back, so nothing waits for it).
-__device__ __forceinline__ void red_add2(float* addr, float x, float y) {
-  asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};" ::"l"(addr), "f"(x), "f"(y));
+// *addr += (x, y, z, w) as one reduction in memory (no value comes back, so nothing waits for it).
+__device__ __forceinline__ void red_add4(float* addr, float x, float y, float z, float w) {
+  asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(addr), "f"(x), "f"(y), "f"(z),
+               "f"(w));
 }
 
 // Arrives on `bar` once every cp.async this thread issued before has landed.
@@ -190,20 +191,27 @@ __global__ void __launch_bounds__(WgDkv<D>::kThreads, 1)
   // Adds the chunk's partials to dk (scaled) and dv and clears them. dk and dv start at zero and
   // each element has this one writer, whose reductions to an address apply in program order: the
   // sums run in chunk order, as a load-add-store would, without waiting for the loads.
+  // Lanes 2i and 2i + 1 of a quad hold the same two keys' adjacent column pairs: they swap one key's
+  // pair so that each adds four adjacent columns of one key in one reduction, half as many as pair
+  // by pair (measured on an H200 at 8k tokens, head_dim 128, chunks of 64 rows: dk/dv 4.00 ms to
+  // 3.63). Every element keeps its one writer, and the same value.
   auto flush = [&] {
+    const bool odd = lane & 1;
+    const int key = kstart + wkey + (lane >> 2) + (odd ? 8 : 0);
+    float* kr = dk + (int64_t)key * p.hkv * D + 2 * (lane & 2);
+    float* vr = dv + (int64_t)key * p.hkv * D + 2 * (lane & 2);
+    // Opaque to the compiler, so that it does not hoist 32 addresses out of the walk.
+    asm volatile("" : "+l"(kr), "+l"(vr));
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int key = kstart + wkey + (lane >> 2) + 8 * r;
-      if (key >= klen) continue;
-      float* kr = dk + (int64_t)key * p.hkv * D + 2 * (lane & 3);
-      float* vr = dv + (int64_t)key * p.hkv * D + 2 * (lane & 3);
-      // Opaque to the compiler, so that it does not hoist 64 addresses out of the walk.
-      asm volatile("" : "+l"(kr), "+l"(vr));
-#pragma unroll
-      for (int d = 0; d < D / 8; ++d) {
-        const int col = d * 8;
-        red_add2(kr + col, __fmul_rn(p.scale, pk[d][2 * r]), __fmul_rn(p.scale, pk[d][2 * r + 1]));
-        red_add2(vr + col, pv[d][2 * r], pv[d][2 * r + 1]);
+    for (int d = 0; d < D / 8; ++d) {
+      const float k0 = shfl_xor(odd ? pk[d][0] : pk[d][2], 1), k1 = shfl_xor(odd ? pk[d][1] : pk[d][3], 1);
+      const float v0 = shfl_xor(odd ? pv[d][0] : pv[d][2], 1), v1 = shfl_xor(odd ? pv[d][1] : pv[d][3], 1);
+      if (key < klen) {
+        const float4 kx = odd ? make_float4(k0, k1, pk[d][2], pk[d][3]) : make_float4(pk[d][0], pk[d][1], k0, k1);
+        const float4 vx = odd ? make_float4(v0, v1, pv[d][2], pv[d][3]) : make_float4(pv[d][0], pv[d][1], v0, v1);
+        red_add4(kr + d * 8, __fmul_rn(p.scale, kx.x), __fmul_rn(p.scale, kx.y), __fmul_rn(p.scale, kx.z),
+                 __fmul_rn(p.scale, kx.w));
+        red_add4(vr + d * 8, vx.x, vx.y, vx.z, vx.w);
       }
     }
 #pragma unroll

@@ -68,6 +68,16 @@ __device__ __forceinline__ void fence_tiles(float (&x)[NT][4]) {
     for (int i = 0; i < 4; ++i) ptx::reg_fence(x[n][i]);
 }
 
+// The same for register A fragments of a wgmma in flight: their registers must hold them until
+// the wait that covers the product.
+template <int KT>
+__device__ __forceinline__ void fence_a(uint32_t (&a)[KT][4]) {
+#pragma unroll
+  for (int k = 0; k < KT; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[k][i])::"memory");
+}
+
 // Issues k16 step kk of acc[64 x N] += A . B^T, A and B K-major tiles of 64-column panels
 // (a_panel and b_panel bytes apart) in shared memory.
 template <int N, bool kHalf>
@@ -148,6 +158,10 @@ struct WgFwd {
   static constexpr uint32_t kRingBytes = kStages * 2 * kTileBytes;
   static constexpr int kSmemBytes = 1024 + kQBytes + kRingBytes + RingBarriers<kStages>::kBytes;
   static constexpr int kThreads = 3 * 128;
+  // Whether a block's P . V overlaps the next block's softmax (below). The P fragments it keeps in
+  // flight cost 4 BN / 8 registers more; beside the producer warpgroup every thread has 168, which
+  // holds them for blocks of 64 keys or head_dim 64 but not for 128 x 128 (spills).
+  static constexpr bool kOverlap = BN == 64 || D == 64;
 };
 
 template <typename T, int D, int BN>
@@ -206,38 +220,122 @@ __global__ void __launch_bounds__(WgFwd<D, BN>::kThreads, 1)
   ptx::mbar_wait(q_bar, 0);
   const uint32_t q_rows = qs + c * 64 * 128;
 
-  for (int j = 0; j < nblocks; ++j) {
-    const int s = j % C::kStages;
+  // A block's P . V is issued together with the next block's scores, so it runs on the tensor
+  // cores while this warpgroup exponentiates that next block (the output's rescale by the next
+  // block's alpha waits for it). Each value still sees the same operations in the same order:
+  // o *= alpha_j, then o += P_j . V_j. The first block is peeled off the loop and the last P . V
+  // follows it, so that no wgmma sits on a branch (the compiler would serialize them all).
+  uint32_t pa[BN / 16][4];  // P of the previous block, whose P . V is issued with this block's scores
+  // Scores of block j from stage s, into sc.
+  auto scores = [&](int j, int s, float (&sc)[BN / 8][4]) {
     ptx::mbar_wait(rb.full(s), (j / C::kStages) & 1);
-    if (j * BN <= wg_last) {
-      const uint32_t kt = k_tile(s), vt = kt + C::kTileBytes;
-      if ((j + 1) * BN > klen) {
-        // Keys past the sequence are masked, but the copy read whatever follows it (the next
-        // sequence); zero those V rows so that 0 * V adds exactly zero even for inf or NaN there.
-        zero_rows<D, BN>(vt, klen - j * BN, tid);
-        ptx::fence_proxy_async_smem();
-        ptx::named_bar_sync(1 + c, 128);
-      }
-      float sc[BN / 8][4];
-      zero_tiles(sc);
-      ptx::wgmma_fence();
+    const uint32_t kt = k_tile(s);
+    if ((j + 1) * BN > klen) {
+      // Keys past the sequence are masked, but the copy read whatever follows it (the next
+      // sequence); zero those V rows so that 0 * V adds exactly zero even for inf or NaN there.
+      zero_rows<D, BN>(kt + C::kTileBytes, klen - j * BN, tid);
+      ptx::fence_proxy_async_smem();
+      ptx::named_bar_sync(1 + c, 128);
+    }
+    zero_tiles(sc);
+    ptx::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) kmajor_step<BN, kHalf>(sc, q_rows, kFwdRows * 128, kt, BN * 128, kk);
-      ptx::wgmma_commit();
+    for (int kk = 0; kk < D / 16; ++kk) kmajor_step<BN, kHalf>(sc, q_rows, kFwdRows * 128, kt, BN * 128, kk);
+    ptx::wgmma_commit();
+  };
+  auto issue_pv = [&](int s) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) nmajor_step<D, kHalf>(st[0].o, pa[kk], k_tile(s) + C::kTileBytes, BN * 128, kk);
+    ptx::wgmma_commit();
+  };
+  // Once the wait covering P . V of stage s has passed: pa's registers stayed untouched until
+  // here, and the stage goes back to the producer.
+  auto land_pv = [&](int s) {
+    fence_tiles(st[0].o);
+    fence_a(pa);
+    if (tid == 0) ptx::mbar_arrive(rb.empty(s));
+  };
+  // The softmax of block j up to the output's rescale (alpha).
+  auto softmax = [&](int j, float (&sc)[BN / 8][4], float (&alpha)[2]) {
+    fence_tiles(sc);
+    float mx[2] = {-kInf, -kInf}, ms[2];
+    mask_scores<BN / 8>(sc, j * BN, pos[0], klen, lane, mx);
+    quad_max(mx);
+    move_max(st[0], mx, p.scale_log2, ms, alpha);
+    exponentiate<BN / 8>(sc, ms, p.scale_log2);
+    add_to_denominator<BN / 8>(st[0].l, sc);
+  };
+  // The warpgroup computes blocks [0, mine); the rest of the walk is past its rows.
+  auto overlapped_walk = [&] {
+    const int mine = wg_last < 0 ? 0 : min(nblocks, wg_last / BN + 1);
+    if (mine > 0) {
+      float sc[BN / 8][4], alpha[2];
+      scores(0, 0, sc);
       ptx::wgmma_wait<0>();
-      fence_tiles(sc);
-      block_softmax<BN, D / 8>(st[0], sc, j * BN, pos[0], klen, p.scale_log2, lane);
-      uint32_t pa[BN / 16][4];
+      softmax(0, sc, alpha);
+      rescale_output(st[0].o, alpha);
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) c_to_a<T>(pa[kk], sc, kk);
-      ptx::wgmma_fence();
+      for (int j = 1; j < mine; ++j) {
+        const int s = j % C::kStages, prev = (j - 1) % C::kStages;
+        scores(j, s, sc);
+        issue_pv(prev);
+        ptx::wgmma_wait<1>();  // the scores; P . V of the previous block may still run
+        softmax(j, sc, alpha);
+        ptx::wgmma_wait<0>();
+        land_pv(prev);
+        rescale_output(st[0].o, alpha);
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) nmajor_step<D, kHalf>(st[0].o, pa[kk], vt, BN * 128, kk);
-      ptx::wgmma_commit();
+        for (int kk = 0; kk < BN / 16; ++kk) c_to_a<T>(pa[kk], sc, kk);
+      }
+      ptx::wgmma_fence();
+      issue_pv((mine - 1) % C::kStages);
       ptx::wgmma_wait<0>();
-      fence_tiles(st[0].o);
+      land_pv((mine - 1) % C::kStages);
     }
-    if (tid == 0) ptx::mbar_arrive(rb.empty(s));
+    for (int j = mine; j < nblocks; ++j) {
+      const int s = j % C::kStages;
+      ptx::mbar_wait(rb.full(s), (j / C::kStages) & 1);
+      if (tid == 0) ptx::mbar_arrive(rb.empty(s));
+    }
+  };
+
+  if constexpr (C::kOverlap) {
+    overlapped_walk();
+  } else {
+    for (int j = 0; j < nblocks; ++j) {
+      const int s = j % C::kStages;
+      ptx::mbar_wait(rb.full(s), (j / C::kStages) & 1);
+      if (j * BN <= wg_last) {
+        const uint32_t kt = k_tile(s), vt = kt + C::kTileBytes;
+        if ((j + 1) * BN > klen) {
+          // Keys past the sequence are masked, but the copy read whatever follows it (the next
+          // sequence); zero those V rows so that 0 * V adds exactly zero even for inf or NaN there.
+          zero_rows<D, BN>(vt, klen - j * BN, tid);
+          ptx::fence_proxy_async_smem();
+          ptx::named_bar_sync(1 + c, 128);
+        }
+        float sc[BN / 8][4];
+        zero_tiles(sc);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) kmajor_step<BN, kHalf>(sc, q_rows, kFwdRows * 128, kt, BN * 128, kk);
+        ptx::wgmma_commit();
+        ptx::wgmma_wait<0>();
+        fence_tiles(sc);
+        block_softmax<BN, D / 8>(st[0], sc, j * BN, pos[0], klen, p.scale_log2, lane);
+        uint32_t pa[BN / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) c_to_a<T>(pa[kk], sc, kk);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) nmajor_step<D, kHalf>(st[0].o, pa[kk], vt, BN * 128, kk);
+        ptx::wgmma_commit();
+        ptx::wgmma_wait<0>();
+        fence_tiles(st[0].o);
+      }
+      if (tid == 0) ptx::mbar_arrive(rb.empty(s));
+    }
   }
 
   const bool valid[2] = {first_row < nrows, first_row + 8 < nrows};
