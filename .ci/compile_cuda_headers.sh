@@ -64,4 +64,7 @@ CU
 "$NVCC" -std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr -D__CUDA_NO_HALF_OPERATORS__ \
   -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__ \
   -gencode=arch=compute_90a,code=sm_90a -Iinclude -c "$tu" -o "$work/all_headers.o"
-echo "compile_cuda_headers: $(ls include/rl_engine/cuda/*.cuh | wc -l) headers compile for sm_90a"
+# The A/B program of benchmarks/kernel_ab.sh, whose build runs only on the GPU machine otherwise.
+"$NVCC" -std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr -DKERNEL_AB_NO_GEMM \
+  -gencode=arch=compute_90a,code=sm_90a -Iinclude -Icsrc -c benchmarks/kernel_ab.cu -o "$work/kernel_ab.o"
+echo "compile_cuda_headers: $(ls include/rl_engine/cuda/*.cuh | wc -l) headers and benchmarks/kernel_ab.cu compile for sm_90a"
