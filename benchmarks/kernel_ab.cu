@@ -4,7 +4,7 @@
 // change kept the bits and what it did to the time. Plain CUDA, no torch: it builds in seconds
 // where the extension takes minutes.
 //
-//   kernel_ab [attn|decode|gemm]    (one line per case: name, median ms, output hashes)
+//   kernel_ab attn|decode|gemm    (one line per case: its name, median time, output hashes)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -90,29 +90,44 @@ float median_ms(F&& f, int reps) {
   return t[reps / 2];
 }
 
-// One causal sequence of t tokens, 32 query / 8 kv heads: forward, backward, and each backward
-// kernel alone (dq with no key tiles, dk/dv with no query tiles).
-void prefill(int t, int d, int block) {
-  const int hq = 32, hkv = 8, tiles = (t + 127) / 128 + 1;
+// Causal sequences of the given lengths packed together, 32 query / 8 kv heads: forward,
+// backward, and the backward with query tiles only (dq_ms: delta, chunk ends and dq) and with key
+// tiles only (dkdv_ms: delta, chunk ends, dk/dv and the memsets of dk and dv).
+void prefill(const std::vector<int>& lens, int d, int block) {
+  const int hq = 32, hkv = 8;
+  std::vector<int32_t> cu_h{0};
+  std::vector<int64_t> pos;
+  for (int n : lens) {
+    cu_h.push_back(cu_h.back() + n);
+    for (int i = 0; i < n; ++i) pos.push_back(i);
+  }
+  const int t = cu_h.back(), tiles = (t + 127) / 128 + static_cast<int>(lens.size());
+  char name[64];
+  if (lens.size() == 1) {
+    std::snprintf(name, sizeof name, "t=%d", t);
+  } else {
+    int at = std::snprintf(name, sizeof name, "lens=%d", lens[0]);
+    for (size_t i = 1; i < lens.size(); ++i) at += std::snprintf(name + at, sizeof name - at, "+%d", lens[i]);
+  }
   attn::FwdParams f{};
   f.q = random_bf16(size_t(t) * hq * d, 1.f);
   f.k = random_bf16(size_t(t) * hkv * d, 1.f);
   f.v = random_bf16(size_t(t) * hkv * d, 1.f);
   f.out = zeros<__nv_bfloat16>(size_t(t) * hq * d);
   f.lse = zeros<float>(size_t(t) * hq);
-  const int32_t* cu = upload(std::vector<int32_t>{0, t});
-  std::vector<int64_t> pos(t);
-  for (int i = 0; i < t; ++i) pos[i] = i;
+  const int32_t* cu = upload(cu_h);
   f.cu_q = f.cu_k = cu;
   f.pos = upload(pos);
-  f.batch = 1, f.hq = hq, f.hkv = hkv;
+  f.batch = static_cast<int>(lens.size()), f.hq = hq, f.hkv = hkv;
   f.scale = 1.f / std::sqrt(static_cast<float>(d));
   f.scale_log2 = f.scale * 1.4426950408889634f;
   auto fwd = [&] { check(attn::launch_fwd(f, attn::AttnDType::kBF16, d, block, t, t, tiles, 0), "fwd"); };
   const float fwd_ms = median_ms(fwd, 20);
-  std::printf("fwd t=%d d=%d block=%d ms=%.4f out=%016llx lse=%016llx\n", t, d, block, fwd_ms,
+  std::printf("fwd %s d=%d block=%d ms=%.4f out=%016llx lse=%016llx\n", name, d, block, fwd_ms,
               bits_hash(f.out, size_t(t) * hq * d * 2), bits_hash(f.lse, size_t(t) * hq * 4));
 
+  // The backward takes this side's own forward output and lse, so a forward that changed bits
+  // shows here too.
   attn::BwdParams b{};
   b.dout = random_bf16(size_t(t) * hq * d, 1.f);
   b.q = f.q, b.k = f.k, b.v = f.v, b.lse = f.lse;
@@ -124,7 +139,7 @@ void prefill(int t, int d, int block) {
   b.cu_q = b.cu_k = cu;
   b.pos = f.pos;
   b.chunk_end = zeros<int32_t>(t);
-  b.batch = 1, b.hq = hq, b.hkv = hkv, b.q_chunk = block;
+  b.batch = f.batch, b.hq = hq, b.hkv = hkv, b.q_chunk = block;
   b.scale = f.scale, b.scale_log2 = f.scale_log2;
   auto bwd = [&](int q_tiles, int k_tiles) {
     return [&, q_tiles, k_tiles] {
@@ -133,7 +148,7 @@ void prefill(int t, int d, int block) {
   };
   const float dq_ms = median_ms(bwd(tiles, 0), 10), dkdv_ms = median_ms(bwd(0, tiles), 10);
   const float bwd_ms = median_ms(bwd(tiles, tiles), 10);
-  std::printf("bwd t=%d d=%d block=%d ms=%.4f dq_ms=%.4f dkdv_ms=%.4f dq=%016llx dk=%016llx dv=%016llx\n", t,
+  std::printf("bwd %s d=%d block=%d ms=%.4f dq_ms=%.4f dkdv_ms=%.4f dq=%016llx dk=%016llx dv=%016llx\n", name,
               d, block, bwd_ms, dq_ms, dkdv_ms, bits_hash(b.dq, size_t(t) * hq * d * 2),
               bits_hash(b.dk, size_t(t) * hkv * d * 4), bits_hash(b.dv, size_t(t) * hkv * d * 4));
 }
@@ -162,8 +177,8 @@ void decode(int d, int block) {
   auto run = [&] { check(attn::launch_decode(p, attn::AttnDType::kBF16, d, block, batch, 0), "decode"); };
   const float ms = median_ms(run, 30);
   const double bytes = 2.0 * batch * context * hkv * d * 2 + 2.0 * batch * hq * d * 2;
-  std::printf("decode d=%d block=%d ms=%.4f tbs=%.3f out=%016llx\n", d, block, ms, bytes / ms / 1e9,
-              bits_hash(p.out, size_t(batch) * hq * d * 2));
+  std::printf("decode d=%d block=%d ms=%.4f tbs=%.3f out=%016llx lse=%016llx\n", d, block, ms, bytes / ms / 1e9,
+              bits_hash(p.out, size_t(batch) * hq * d * 2), bits_hash(p.lse, size_t(batch) * hq * 4));
 }
 
 #ifndef KERNEL_AB_NO_GEMM
@@ -193,10 +208,12 @@ int main(int argc, char** argv) {
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "device");
   if (!std::strcmp(what, "attn")) {
     for (int block : {64, 128}) {
-      prefill(8192, 128, block);
-      prefill(4096, 128, block);
-      prefill(8192, 64, block);
-      prefill(4096, 64, block);
+      for (int d : {128, 64}) {
+        prefill({8192}, d, block);
+        prefill({4096}, d, block);
+      }
+      // Lengths off the tile and block edges: partial blocks, the masked tails, a second sequence.
+      prefill({1000, 3097}, 128, block);
     }
   } else if (!std::strcmp(what, "decode")) {
     for (int d : {128, 64})

@@ -159,7 +159,7 @@ struct WgFwd {
   static constexpr int kSmemBytes = 1024 + kQBytes + kRingBytes + RingBarriers<kStages>::kBytes;
   static constexpr int kThreads = 3 * 128;
   // Whether a block's P . V overlaps the next block's softmax (below). The P fragments it keeps in
-  // flight cost 4 BN / 8 registers more; beside the producer warpgroup every thread has 168, which
+  // flight cost BN / 4 registers more; beside the producer warpgroup every thread has 168, which
   // holds them for blocks of 64 keys or head_dim 64 but not for 128 x 128 (spills).
   static constexpr bool kOverlap = BN == 64 || D == 64;
 };
