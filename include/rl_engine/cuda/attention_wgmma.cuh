@@ -68,14 +68,13 @@ __device__ __forceinline__ void fence_tiles(float (&x)[NT][4]) {
     for (int i = 0; i < 4; ++i) ptx::reg_fence(x[n][i]);
 }
 
-// The same for register A fragments of a wgmma in flight: their registers must hold them until
-// the wait that covers the product.
+// The same for register A fragments of a wgmma in flight.
 template <int KT>
 __device__ __forceinline__ void fence_a(uint32_t (&a)[KT][4]) {
 #pragma unroll
   for (int k = 0; k < KT; ++k)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[k][i])::"memory");
+    for (int i = 0; i < 4; ++i) ptx::reg_fence(a[k][i]);
 }
 
 // Issues k16 step kk of acc[64 x N] += A . B^T, A and B K-major tiles of 64-column panels

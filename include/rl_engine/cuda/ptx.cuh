@@ -125,6 +125,9 @@ __device__ __forceinline__ void wgmma_wait() {
 
 // Keeps the compiler from moving reads or writes of an accumulator across wgmma fences/waits.
 __device__ __forceinline__ void reg_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+// The same for a register a wgmma in flight reads (an A fragment): it must keep its value until
+// the wait that covers the product.
+__device__ __forceinline__ void reg_fence(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
 
 template <int R>
 __device__ __forceinline__ void setmaxnreg_inc() {
