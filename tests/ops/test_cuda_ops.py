@@ -229,6 +229,35 @@ def test_rmsnorm_forward_and_backward(ops, h):
     assert torch.equal(ops.rmsnorm_backward(g, x, w, rstd)[1], dw)
 
 
+def fan_in(level):
+    """One level of the column tree: each row adds 32 consecutive rows of `level` in order."""
+    out = []
+    for i in range(0, level.shape[0], 32):
+        s = torch.zeros_like(level[0])
+        for row in level[i:i + 32]:
+            s = s + row
+        out.append(s)
+    return torch.stack(out)
+
+
+# 16901 rows are 1057 chunks of 16: three levels (1057 -> 34 -> 2 -> 1), the upper two added by
+# the last block of each column slice; 513 rows leave one chunk of a single row.
+@pytest.mark.parametrize("rows", [16, 513, 16901])
+def test_rmsnorm_grad_weight_is_the_fixed_chunk_tree(ops, rows):
+    """grad_weight adds the 16-row chunks' partials 32 at a time in order, level by level: the
+    same tree built here from the op's own one-chunk grad_weights, bit for bit."""
+    h = 384
+    x, w, g = randn(rows, h, seed=21), randn(h, seed=22), randn(rows, h, seed=23)
+    _, rstd = ops.rmsnorm(x, w, 1e-6)
+    dw = ops.rmsnorm_backward(g, x, w, rstd)[1]
+    ref = torch.stack([ops.rmsnorm_backward(g[c:c + 16], x[c:c + 16], w, rstd[c:c + 16])[1]
+                       for c in range(0, rows, 16)])
+    ref = fan_in(ref)
+    while ref.shape[0] > 1:
+        ref = fan_in(ref)
+    assert torch.equal(dw, ref[0])
+
+
 def rope_reference(x, pos, theta, sign=1.0):
     d = x.shape[-1]
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=DEV).float() / d))
