@@ -159,7 +159,10 @@ struct DecodeCta {
 // Copies block j of one sequence's keys and values from the paged cache into a (K, V) tile pair.
 // Blocks are copied in order 0, 1, 2, ...: the pages of block j + 1 are looked up (plain loads, one
 // per copied row) when block j's copies are issued, so that their latency passes while earlier
-// blocks are computed instead of stalling every copy behind a dependent lookup.
+// blocks are computed instead of stalling every copy behind a dependent lookup. A block is whole
+// pages (the op checks that the block size is a multiple of page_size), so a copied row keeps its
+// page within the block and its row within the page from block to block: both are divided out once
+// here, not per block (the divisions by a runtime page_size were a quarter of the instructions).
 template <typename T, int D, int BN, int kThreads>
 struct PagedLoad {
   static constexpr int kChunks = D / 8, kRowsPerPass = kThreads / kChunks;
@@ -167,18 +170,26 @@ struct PagedLoad {
   static constexpr int kPasses = BN / kRowsPerPass;
   const DecodeParams& p;
   const int32_t* pages;
-  int g, len, c, r0;
+  int g, len, c, r0, per_block;
+  int rpage[kPasses], roff[kPasses];  // each copied row's page in the block and row in the page
   int next[kPasses];  // page of each row this thread copies in the next block (-1: none)
 
   __device__ __forceinline__ PagedLoad(const DecodeParams& params, const DecodeCta& cta, int tid)
-      : p(params), pages(cta.pages), g(cta.g), len(cta.len), c(tid % kChunks), r0(tid / kChunks) {
+      : p(params), pages(cta.pages), g(cta.g), len(cta.len), c(tid % kChunks), r0(tid / kChunks),
+        per_block(BN / params.page_size) {
+#pragma unroll
+    for (int m = 0; m < kPasses; ++m) {
+      const int r = r0 + m * kRowsPerPass;
+      rpage[m] = r / p.page_size;
+      roff[m] = r - rpage[m] * p.page_size;
+    }
     lookup(0);
   }
   __device__ __forceinline__ void lookup(int j) {
 #pragma unroll
     for (int m = 0; m < kPasses; ++m) {
       const int key = j * BN + r0 + m * kRowsPerPass;
-      next[m] = key < len ? pages[key / p.page_size] : -1;
+      next[m] = key < len ? pages[j * per_block + rpage[m]] : -1;
     }
   }
   __device__ __forceinline__ void operator()(int j, uint32_t kt, uint32_t vt) {
@@ -187,9 +198,9 @@ struct PagedLoad {
     int64_t off[kPasses];
 #pragma unroll
     for (int m = 0; m < kPasses; ++m) {
-      const int key = j * BN + r0 + m * kRowsPerPass, page = next[m];
+      const int page = next[m];
       off[m] = page >= 0 && page < p.num_pages
-                   ? (((int64_t)page * p.page_size + key % p.page_size) * p.hkv + g) * D + c * 8
+                   ? (((int64_t)page * p.page_size + roff[m]) * p.hkv + g) * D + c * 8
                    : -1;
     }
     lookup(j + 1);
