@@ -276,7 +276,8 @@ constexpr int split_key_steps() {  // k16 key steps per scorer warp
   return (BN / 16 + split_warps<D>() - 1) / split_warps<D>();
 }
 // A block's probabilities are published in its own K tile: the scorers are done reading it at the
-// barrier before they write, and the walk refills that slot only after the next block's barrier.
+// barrier before they write, and the walk refills that slot only once the next block is past a
+// barrier at which every warp is done with them.
 // Keeping them out of the CTA's own bytes is what fits four head_dim 64 CTAs on an SM (512 CTAs in
 // one wave at batch 64 x 8 kv heads, where three left a second wave of 116).
 template <int D, int BN>
@@ -323,12 +324,30 @@ __global__ void __launch_bounds__(split_warps<D>() * 32) rlk_attention_decode_sp
   RowState<NO> st;
   st.init();
   const int nblocks = t < 0 ? 0 : t / BN + 1;
-  kv_walk<decode_stages<BN>()>(
+  // One warp keeps the denominators: it adds a block's probabilities, in key order, to l after
+  // l took that block's alpha and before it takes the next one's. Where some warps do not score
+  // (head_dim 128), the last of them does it while the scorers compute the next block's scores,
+  // off the path every warp waits on; the walk then refills block j - 1's slot only after the
+  // first barrier of block j. Otherwise warp 0 does it after the probabilities are published.
+  constexpr bool kIdleAdds = kScorers < split_warps<D>();
+  constexpr int kLWarp = kIdleAdds ? split_warps<D>() - 1 : 0;
+  auto add_block_to_l = [&](uint32_t kt) {
+    const float4* pf = reinterpret_cast<const float4*>(smem + (kt - base) + S::kPf);
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n) {
+      const float4 v = pf[n * 32 + lane];
+      const float pn[1][4] = {{v.x, v.y, v.z, v.w}};
+      add_to_denominator<1>(st.l, pn);
+    }
+  };
+  uint32_t prev_kt = 0;  // the K tile of the block before, which holds its probabilities
+  kv_walk_refill<decode_stages<BN>()>(
       base, BN * kStride<D> * 2, nblocks, PagedLoad<T, D, BN, kThreads>(p, cta, tid),
-      [&](int j, uint32_t kt, uint32_t vt) {
+      [&](int j, uint32_t kt, uint32_t vt, auto&& refill) {
         // The walk's barrier at the top of block j + 1 orders this block's reads of the shared
-        // maxima and probabilities before block j + 1 overwrites the maxima and the walk refills
-        // this K tile.
+        // maxima and probabilities before block j + 1 overwrites the maxima; this K tile is
+        // refilled after that barrier, or after block j + 1's first one where kIdleAdds.
+        if constexpr (!kIdleAdds) refill();
         unsigned char* k_tile = smem + (kt - base);
         uint4* pa = reinterpret_cast<uint4*>(k_tile + S::kPa);
         float4* pf = reinterpret_cast<float4*>(k_tile + S::kPf);
@@ -347,8 +366,11 @@ __global__ void __launch_bounds__(split_warps<D>() * 32) rlk_attention_decode_sp
             row_max[warp * 16 + (lane >> 2)] = mx[0];
             row_max[warp * 16 + (lane >> 2) + 8] = mx[1];
           }
+        } else if (kIdleAdds && warp == kLWarp && j > 0) {
+          add_block_to_l(prev_kt);
         }
         __syncthreads();
+        if constexpr (kIdleAdds) refill();
         float mx[2] = {-kInf, -kInf}, ms[2];
 #pragma unroll
         for (int w = 0; w < kScorers; ++w) {
@@ -369,14 +391,7 @@ __global__ void __launch_bounds__(split_warps<D>() * 32) rlk_attention_decode_sp
             pf[(warp * 2 * KS + n) * 32 + lane] = make_float4(s[n][0], s[n][1], s[n][2], s[n][3]);
         }
         __syncthreads();
-        if (warp == 0) {
-#pragma unroll
-          for (int n = 0; n < BN / 8; ++n) {
-            const float4 v = pf[n * 32 + lane];
-            const float pn[1][4] = {{v.x, v.y, v.z, v.w}};
-            add_to_denominator<1>(st.l, pn);
-          }
-        }
+        if (!kIdleAdds && warp == kLWarp) add_block_to_l(kt);
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
           const uint4 f = pa[kk * 32 + lane];
@@ -389,8 +404,11 @@ __global__ void __launch_bounds__(split_warps<D>() * 32) rlk_attention_decode_sp
             mma<T>(st.o[d + 1], a, b[2], b[3]);
           }
         }
+        prev_kt = kt;
       });
-  if (warp == 0) {
+  // The last block's probabilities: published before its second barrier, and never refilled.
+  if (kIdleAdds && warp == kLWarp && nblocks > 0) add_block_to_l(prev_kt);
+  if (warp == kLWarp) {
     const float l0 = row_total(st.l[0]), l1 = row_total(st.l[1]);
     if ((lane & 3) == 0) {
       l_total[lane >> 2] = l0;

@@ -249,11 +249,14 @@ __device__ __forceinline__ void store_rows(const RowState<NO>& st, float scale, 
 }
 
 // Blocks 0..nblocks-1 through a `kStages`-deep cp.async ring of (K, V) tile pairs of tile_bytes
-// each at `ring`: load(j, k_tile, v_tile) issues block j's copies, compute(j, k_tile, v_tile)
-// folds block j in once it has landed (every copy committed before the walk has landed too).
+// each at `ring`: load(j, k_tile, v_tile) issues block j's copies, and compute(j, k_tile, v_tile,
+// refill) folds block j in once it has landed (every copy committed before the walk has landed
+// too). compute calls refill() exactly once: it issues block j + kStages - 1's copies into block
+// j - 1's slot, so every thread must be done reading that slot by then (a barrier of compute's
+// own, or the walk's at the top of block j when refill() comes first).
 template <int kStages, typename Load, typename Compute>
-__device__ __forceinline__ void kv_walk(uint32_t ring, int tile_bytes, int nblocks, Load&& load,
-                                        Compute&& compute) {
+__device__ __forceinline__ void kv_walk_refill(uint32_t ring, int tile_bytes, int nblocks, Load&& load,
+                                               Compute&& compute) {
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < nblocks) load(s, ring + (2 * s) * tile_bytes, ring + (2 * s + 1) * tile_bytes);
@@ -262,15 +265,27 @@ __device__ __forceinline__ void kv_walk(uint32_t ring, int tile_bytes, int nbloc
   for (int j = 0; j < nblocks; ++j) {
     cp_async_wait<kStages - 2>();
     __syncthreads();
-    const int nj = j + kStages - 1;
-    if (nj < nblocks) {
-      const int s = nj % kStages;
-      load(nj, ring + (2 * s) * tile_bytes, ring + (2 * s + 1) * tile_bytes);
-    }
-    cp_async_commit();
+    auto refill = [&] {
+      const int nj = j + kStages - 1;
+      if (nj < nblocks) {
+        const int s = nj % kStages;
+        load(nj, ring + (2 * s) * tile_bytes, ring + (2 * s + 1) * tile_bytes);
+      }
+      cp_async_commit();
+    };
     const int s = j % kStages;
-    compute(j, ring + (2 * s) * tile_bytes, ring + (2 * s + 1) * tile_bytes);
+    compute(j, ring + (2 * s) * tile_bytes, ring + (2 * s + 1) * tile_bytes, refill);
   }
+}
+
+// kv_walk_refill with the refill first: compute(j, k_tile, v_tile) runs while the next copies fly.
+template <int kStages, typename Load, typename Compute>
+__device__ __forceinline__ void kv_walk(uint32_t ring, int tile_bytes, int nblocks, Load&& load,
+                                        Compute&& compute) {
+  kv_walk_refill<kStages>(ring, tile_bytes, nblocks, load, [&](int j, uint32_t kt, uint32_t vt, auto&& refill) {
+    refill();
+    compute(j, kt, vt);
+  });
 }
 
 }  // namespace rl_engine::cuda::attn
