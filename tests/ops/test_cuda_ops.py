@@ -240,13 +240,14 @@ def fan_in(level):
     return torch.stack(out)
 
 
-# 16901 rows are 1057 chunks of 16: three levels (1057 -> 34 -> 2 -> 1), the upper two added by
-# the last block of each column slice; 513 rows leave one chunk of a single row.
-@pytest.mark.parametrize("rows", [16, 513, 16901])
+# 17 rows are two chunks in one level; 513 rows are 33 chunks in two, the last of a single row;
+# 16901 rows are 1057 chunks in three (1057 -> 34 -> 2 -> 1), the upper two added in place by the
+# last block of each column slice. 1001 columns leave the last slice of 128 partly empty.
+@pytest.mark.parametrize("rows", [17, 513, 16901])
 def test_rmsnorm_grad_weight_is_the_fixed_chunk_tree(ops, rows):
     """grad_weight adds the 16-row chunks' partials 32 at a time in order, level by level: the
     same tree built here from the op's own one-chunk grad_weights, bit for bit."""
-    h = 384
+    h = 1001
     x, w, g = randn(rows, h, seed=21), randn(h, seed=22), randn(rows, h, seed=23)
     _, rstd = ops.rmsnorm(x, w, 1e-6)
     dw = ops.rmsnorm_backward(g, x, w, rstd)[1]

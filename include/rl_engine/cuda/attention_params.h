@@ -62,8 +62,9 @@ struct BwdParams {
 };
 
 // Each returns the launch status; dtype, head_dim (64 or 128) and kv_block_size (16, 32, 64, 128)
-// must be checked by the caller. grid_tiles bounds the tiles from above: ceil(rows / tile) + batch.
-// tq, tk: rows of q and of k / v.
+// must be checked by the caller, and for the decode that kv_block_size is a multiple of page_size
+// (a block is whole pages: the decode finds a row's page from its place in the block). grid_tiles
+// bounds the tiles from above: ceil(rows / tile) + batch. tq, tk: rows of q and of k / v.
 cudaError_t launch_fwd(const FwdParams& p, AttnDType dtype, int head_dim, int kv_block_size,
                        int64_t tq, int64_t tk, int grid_tiles, cudaStream_t stream);
 cudaError_t launch_decode(const DecodeParams& p, AttnDType dtype, int head_dim, int kv_block_size,
