@@ -175,7 +175,11 @@ class RayJobHook(BaseHook):
     # Asynchronous API, for the trigger: nothing here blocks the event loop.
 
     async def _in_thread(self, func, *args):
-        return await asyncio.wait_for(asyncio.to_thread(func, *args), REQUEST_TIMEOUT_S)
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the result of a call that
+        # ends just as its caller is cancelled, and the cancellation is lost (a trigger cancelled
+        # between polls then kept watching its job to the end).
+        async with asyncio.timeout(REQUEST_TIMEOUT_S):
+            return await asyncio.to_thread(func, *args)
 
     async def ainfo(self, submission_id: str) -> JobDetails:
         return await self._in_thread(self.info, submission_id)
