@@ -86,6 +86,8 @@ float median_ms(F&& f, int reps) {
     check(cudaEventSynchronize(b), "kernel");
     cudaEventElapsedTime(&ms, a, b);
   }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
   std::sort(t.begin(), t.end());
   return t[reps / 2];
 }
