@@ -161,8 +161,10 @@ struct DecodeCta {
 // per copied row) when block j's copies are issued, so that their latency passes while earlier
 // blocks are computed instead of stalling every copy behind a dependent lookup. A block is whole
 // pages (the op checks that the block size is a multiple of page_size), so a copied row keeps its
-// page within the block and its row within the page from block to block: both are divided out once
-// here, not per block (the divisions by a runtime page_size were a quarter of the instructions).
+// page within the block and its row within the page from block to block. Those come from the
+// thread's first row, divided once here, and a fixed step per pass (rows_of): the divisions by a
+// runtime page_size were a quarter of the instructions, and two arrays of them held for the whole
+// walk pushed the plain kernel at head_dim 128 / block 128 into spills.
 template <typename T, int D, int BN, int kThreads>
 struct PagedLoad {
   static constexpr int kChunks = D / 8, kRowsPerPass = kThreads / kChunks;
@@ -171,45 +173,52 @@ struct PagedLoad {
   const DecodeParams& p;
   const int32_t* pages;
   int g, len, c, r0, per_block;
-  int rpage[kPasses], roff[kPasses];  // each copied row's page in the block and row in the page
+  int page0, off0, page_step, off_step;  // the first row's page in the block and row in the page
   int next[kPasses];  // page of each row this thread copies in the next block (-1: none)
 
   __device__ __forceinline__ PagedLoad(const DecodeParams& params, const DecodeCta& cta, int tid)
       : p(params), pages(cta.pages), g(cta.g), len(cta.len), c(tid % kChunks), r0(tid / kChunks),
         per_block(BN / params.page_size) {
-#pragma unroll
-    for (int m = 0; m < kPasses; ++m) {
-      const int r = r0 + m * kRowsPerPass;
-      rpage[m] = r / p.page_size;
-      roff[m] = r - rpage[m] * p.page_size;
-    }
+    page0 = r0 / p.page_size;
+    off0 = r0 - page0 * p.page_size;
+    page_step = kRowsPerPass / p.page_size;
+    off_step = kRowsPerPass - page_step * p.page_size;
     lookup(0);
   }
-  __device__ __forceinline__ void lookup(int j) {
+  // f(m, page, off) for each pass m: row r0 + m kRowsPerPass is row off of page `page` of the block.
+  template <typename F>
+  __device__ __forceinline__ void rows_of(F&& f) const {
+    int page = page0, off = off0;
+    // Opaque to the compiler, so that it steps the rows here each block instead of holding every
+    // pass's page and row in registers across the walk (which spilled the plain kernel at head_dim
+    // 128 / block 128).
+    asm volatile("" : "+r"(page), "+r"(off));
 #pragma unroll
     for (int m = 0; m < kPasses; ++m) {
-      const int key = j * BN + r0 + m * kRowsPerPass;
-      next[m] = key < len ? pages[j * per_block + rpage[m]] : -1;
+      f(m, page, off);
+      page += page_step;
+      off += off_step;
+      if (off >= p.page_size) off -= p.page_size, ++page;
     }
+  }
+  __device__ __forceinline__ void lookup(int j) {
+    rows_of([&](int m, int page, int) {
+      const int key = j * BN + r0 + m * kRowsPerPass;
+      next[m] = key < len ? pages[j * per_block + page] : -1;
+    });
   }
   __device__ __forceinline__ void operator()(int j, uint32_t kt, uint32_t vt) {
     const T* kc = static_cast<const T*>(p.k_cache);
     const T* vc = static_cast<const T*>(p.v_cache);
-    int64_t off[kPasses];
-#pragma unroll
-    for (int m = 0; m < kPasses; ++m) {
+    rows_of([&](int m, int, int row) {
       const int page = next[m];
-      off[m] = page >= 0 && page < p.num_pages
-                   ? (((int64_t)page * p.page_size + roff[m]) * p.hkv + g) * D + c * 8
-                   : -1;
-    }
-    lookup(j + 1);
-#pragma unroll
-    for (int m = 0; m < kPasses; ++m) {
+      const bool ok = page >= 0 && page < p.num_pages;
+      const int64_t off = ok ? (((int64_t)page * p.page_size + row) * p.hkv + g) * D + c * 8 : 0;
       const uint32_t dst = ((r0 + m * kRowsPerPass) * kStride<D> + c * 8) * 2;
-      cp_async16(kt + dst, off[m] >= 0 ? kc + off[m] : kc, off[m] >= 0);
-      cp_async16(vt + dst, off[m] >= 0 ? vc + off[m] : vc, off[m] >= 0);
-    }
+      cp_async16(kt + dst, kc + off, ok);
+      cp_async16(vt + dst, vc + off, ok);
+    });
+    lookup(j + 1);
   }
 };
 
