@@ -34,7 +34,7 @@ cudaError_t rlk_check_gemm(const rc::GemmOperands& g, __nv_bfloat16* y, float* f
 template __global__ void rc::rlk_rmsnorm_fwd_kernel<__nv_bfloat16, 128, 8>(
     const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*, float*, int64_t, int, float, float);
 template __global__ void rc::rlk_rmsnorm_bwd_kernel<__half, 16, 1>(
-    const __half*, const __half*, const __half*, const float*, __half*, float*, int64_t, int, float, unsigned*, int);
+    const __half*, const __half*, const __half*, const float*, __half*, float*, int64_t, int, float, int, unsigned*, int);
 template __global__ void rc::rlk_rope_kernel<float, 4>(const float*, const int64_t*, const float*, float,
                                                    float*, int64_t, int, int);
 template __global__ void rc::rlk_swiglu_kernel<__nv_bfloat16, 8>(const __nv_bfloat16*, __nv_bfloat16*, int64_t, int);

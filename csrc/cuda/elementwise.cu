@@ -117,34 +117,38 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_backward(const at::Tensor& grad_out, 
   const auto f32 = x2.options().dtype(at::kFloat);
   if (rows == 0) return {dx.to(x.scalar_type()).reshape(x.sizes()), at::zeros({h}, f32)};
   auto dw = at::empty({h}, f32);  // the tree's last level writes every column
-  const int64_t chunks = (rows + kRmsChunk - 1) / kRmsChunk, rows1 = (chunks + kRmsFanIn - 1) / kRmsFanIn;
   const int slices = static_cast<int>((h + kRmsTreeThreads - 1) / kRmsTreeThreads);
-  auto part = at::empty({chunks, h}, f32);
-  auto level = at::empty({rows1 > 1 ? rows1 : 0, h}, f32);
   auto done = at::empty({slices}, x2.options().dtype(at::kInt));  // cleared by the backward kernel
   auto* done_ptr = reinterpret_cast<unsigned*>(done.data_ptr<int32_t>());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor part, level;
+  int64_t groups = 0, rows1 = 0;  // group partials, and the tree's first level
   dispatch(dt, h, [&](auto tag, auto vec) {
     using T = decltype(tag);
     constexpr int V = decltype(vec)::value;
     with_group(group_for(h / V, op), [&](auto grp) {
       constexpr int G = decltype(grp)::value;
       const int block = rms_block<G>(), per_block = block / G;
-      const int smem = static_cast<int>(per_block * h * sizeof(float));
+      const int subs = rms_bwd_subs(rows, h, per_block);
+      groups = (rows + kRmsChunk * subs - 1) / (kRmsChunk * subs);
+      rows1 = (groups + kRmsFanIn - 1) / kRmsFanIn;
+      part = at::empty({groups, h}, f32);
+      level = at::empty({rows1 > 1 ? rows1 : 0, h}, f32);
+      const int smem = static_cast<int>((subs > 1 ? 2 : 1) * per_block * h * sizeof(float));
       if (smem > 48 * 1024) {
         check_launch(cudaFuncSetAttribute(rlk_rmsnorm_bwd_kernel<T, G, V>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem), op);
       }
-      rlk_rmsnorm_bwd_kernel<T, G, V><<<(chunks + per_block - 1) / per_block, block, smem, stream>>>(
+      rlk_rmsnorm_bwd_kernel<T, G, V><<<(groups + per_block - 1) / per_block, block, smem, stream>>>(
           reinterpret_cast<const T*>(g2.data_ptr()), reinterpret_cast<const T*>(x2.data_ptr()),
           reinterpret_cast<const T*>(w.data_ptr()), rs.data_ptr<float>(),
           reinterpret_cast<T*>(dx.data_ptr()), part.data_ptr<float>(), rows, static_cast<int>(h),
-          1.f / static_cast<float>(h), done_ptr, slices);
+          1.f / static_cast<float>(h), subs, done_ptr, slices);
     });
   });
   check_launch(cudaGetLastError(), op);
   rlk_rmsnorm_column_tree_kernel<<<dim3(static_cast<unsigned>(rows1), slices), kRmsTreeThreads, 0, stream>>>(
-      part.data_ptr<float>(), chunks, static_cast<int>(h), level.data_ptr<float>(), dw.data_ptr<float>(),
+      part.data_ptr<float>(), groups, static_cast<int>(h), level.data_ptr<float>(), dw.data_ptr<float>(),
       done_ptr);
   check_launch(cudaGetLastError(), op);
   return {dx.to(x.scalar_type()).reshape(x.sizes()), dw};

@@ -229,30 +229,36 @@ def test_rmsnorm_forward_and_backward(ops, h):
     assert torch.equal(ops.rmsnorm_backward(g, x, w, rstd)[1], dw)
 
 
-def fan_in(level):
-    """One level of the column tree: each row adds 32 consecutive rows of `level` in order."""
+def fan_in(level, width=32):
+    """One level of the column tree: each row adds `width` consecutive rows of `level` in order."""
     out = []
-    for i in range(0, level.shape[0], 32):
+    for i in range(0, level.shape[0], width):
         s = torch.zeros_like(level[0])
-        for row in level[i:i + 32]:
+        for row in level[i:i + width]:
             s = s + row
         out.append(s)
     return torch.stack(out)
 
 
-# 17 rows are two chunks in one level; 513 rows are 33 chunks in two, the last of a single row;
-# 16901 rows are 1057 chunks in three (1057 -> 34 -> 2 -> 1), the upper two added in place by the
-# last block of each column slice. 1001 columns leave the last slice of 128 partly empty.
-@pytest.mark.parametrize("rows", [17, 513, 16901])
-def test_rmsnorm_grad_weight_is_the_fixed_chunk_tree(ops, rows):
-    """grad_weight adds the 16-row chunks' partials 32 at a time in order, level by level: the
-    same tree built here from the op's own one-chunk grad_weights, bit for bit."""
+# 17 rows are two chunks, one group each, in one level; 513 rows are 33 groups in two levels, the
+# last of a single row; 16901 rows are 1057 chunks, two a group (16901 >= 2 x 8192): 529 groups in
+# two levels; 40000 rows are 2500 chunks, four a group: 625 groups in three (625 -> 20 -> 1), the
+# upper levels added in place by the last block of each column slice. 1001 columns leave the last
+# slice of 128 partly empty.
+@pytest.mark.parametrize("rows, subs", [(17, 1), (513, 1), (16901, 2), (40000, 4)])
+def test_rmsnorm_grad_weight_is_the_fixed_chunk_tree(ops, rows, subs):
+    """grad_weight sums each group's `subs` 16-row chunks in order, then adds the group partials
+    32 at a time in order, level by level: the same tree built here from the op's own one-chunk
+    grad_weights, bit for bit. `subs` is rms_bwd_subs (rmsnorm.cuh): 1, 2 or 4 chunks a group, the
+    most that leave 512 groups."""
     h = 1001
     x, w, g = randn(rows, h, seed=21), randn(h, seed=22), randn(rows, h, seed=23)
     _, rstd = ops.rmsnorm(x, w, 1e-6)
     dw = ops.rmsnorm_backward(g, x, w, rstd)[1]
     ref = torch.stack([ops.rmsnorm_backward(g[c:c + 16], x[c:c + 16], w, rstd[c:c + 16])[1]
                        for c in range(0, rows, 16)])
+    if subs > 1:
+        ref = fan_in(ref, subs)
     ref = fan_in(ref)
     while ref.shape[0] > 1:
         ref = fan_in(ref)

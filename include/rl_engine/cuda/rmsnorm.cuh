@@ -6,10 +6,12 @@
 // of a row depends only on H and the dtype, never on the number of rows or the row's position.
 // The row stays in registers, packed, between the two passes.
 //
-// Backward: each group walks a fixed chunk of kRmsChunk rows in order, writing grad_x and adding
-// g * (x * rstd) into its own per-column slots in shared memory; the chunk partials go to memory and
-// rlk_rmsnorm_column_tree_kernel adds them, 32 consecutive ones at a time in order, level by level.
-// grad_weight therefore sums rows through a fixed tree anchored at row 0.
+// Backward: each group walks `subs` consecutive chunks of kRmsChunk rows in order, writing grad_x
+// and adding g * (x * rstd) into its own per-column slots in shared memory, one chunk at a time from
+// zero; it adds its chunks' sums in order and writes that partial to memory, and
+// rlk_rmsnorm_column_tree_kernel adds the partials, 32 consecutive ones at a time in order, level by
+// level. grad_weight therefore sums rows through a fixed tree anchored at row 0 whose shape depends
+// only on the number of rows (rms_bwd_subs).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,6 +24,19 @@ namespace rl_engine::cuda {
 
 constexpr int kRmsChunk = 16;
 constexpr int kRmsMaxV = 4;  // vectors per thread
+
+// Chunks one backward group walks: 1, 2 or 4, the most that leave at least 512 groups. Each group
+// writes one fp32 row of partials (4 H bytes) and the column tree reads it back, against the 6 H
+// bytes a row of bf16 moves: at one chunk a group those two are 8% of the op's traffic, at four
+// 2%. 512 groups keep the H200's 528 group slots at H = 4096 (two blocks of two groups an SM) about
+// full. The shape of the sum depends on the number of rows alone, never on the device.
+// A group's two rows of H floats (this chunk's sums and the running one) must fit the block's
+// shared memory beside its other groups': at one group a block, H above 28672 walks one chunk.
+inline int rms_bwd_subs(int64_t rows, int64_t h, int groups_per_block) {
+  const int64_t per = rows / (512 * kRmsChunk);
+  if (2 * groups_per_block * h * static_cast<int64_t>(sizeof(float)) > 227 * 1024) return 1;
+  return per >= 4 ? 4 : per >= 2 ? 2 : 1;
+}
 
 template <int G>
 constexpr int rms_block() { return G > 256 ? G : 256; }
@@ -69,27 +84,31 @@ __global__ void __launch_bounds__(rms_block<G>())
 }
 
 // dx = rstd * (g w - x * c), c = ((sum_j (g_j w_j) x_j) * rstd) * rstd / H, as the CPU kernel;
-// dw_part[chunk, i] = sum over the chunk's rows, in row order, of g * (x * rstd). Dynamic shared
-// memory: (blockDim.x / G) * h floats.
+// dw_part[group, i] = ((0 + s_0) + s_1) ... over the group's chunks, s_c the sum over chunk c's rows,
+// in row order from zero, of g * (x * rstd) (with one chunk, dw_part is s_0 itself). Dynamic shared
+// memory: (blockDim.x / G) * h floats, twice that when subs > 1 (the running sum of the chunks).
 // Two 256-thread blocks per SM for the narrow groups, each group with two rows in flight (the one it
-// reduces and the next), within 128 registers a thread. (32768 rows of 4096 make 2048 chunks: 3.9
-// waves of these groups, where three blocks an SM left the last of 3 waves 60% full.)
+// reduces and the next), within 128 registers a thread.
 template <typename T, int G, int V>
 __global__ void __launch_bounds__(rms_block<G>(), G <= 128 ? 2 : 1)
     rlk_rmsnorm_bwd_kernel(const T* __restrict__ g, const T* __restrict__ x, const T* __restrict__ w,
                        const float* __restrict__ rstd, T* __restrict__ dx, float* __restrict__ dw_part,
-                       int64_t rows, int h, float inv_h, unsigned* __restrict__ tree_done, int tree_slices) {
+                       int64_t rows, int h, float inv_h, int subs, unsigned* __restrict__ tree_done,
+                       int tree_slices) {
   __shared__ float red[32];
   // The column tree's counters (rlk_rmsnorm_column_tree_kernel runs next in the stream).
   if (blockIdx.x == 0)
     for (int i = threadIdx.x; i < tree_slices; i += blockDim.x) tree_done[i] = 0;
   extern __shared__ float dw_smem[];
   const int gt = threadIdx.x % G;
-  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * (blockDim.x / G) + threadIdx.x / G;
-  const int64_t chunks = (rows + kRmsChunk - 1) / kRmsChunk;
+  const int span = kRmsChunk * subs;  // rows a group walks
+  const int64_t group = static_cast<int64_t>(blockIdx.x) * (blockDim.x / G) + threadIdx.x / G;
+  const int64_t first = group * span;
+  const bool live = first < rows;
   // This group's columns, slot (j, vi) for column vi * V + j: each slot has one owner thread, and
-  // neighbouring lanes hit neighbouring banks.
+  // neighbouring lanes hit neighbouring banks. tot (subs > 1) holds the sum of the chunks so far.
   float* dw = dw_smem + (threadIdx.x / G) * h;
+  float* tot = dw_smem + (blockDim.x / G + threadIdx.x / G) * h;
   const int nv = h / V;
   Raw<T, V> wv[kRmsMaxV];
 #pragma unroll
@@ -104,8 +123,8 @@ __global__ void __launch_bounds__(rms_block<G>(), G <= 128 ? 2 : 1)
   // Row r + 1 is loaded while row r is reduced and written: the group_sum barriers would otherwise
   // keep each group to one row's loads in flight.
   auto load_row = [&](int r, Raw<T, V>(&gv)[kRmsMaxV], Raw<T, V>(&xv)[kRmsMaxV]) {
-    const int64_t row = chunk * kRmsChunk + r;
-    if (chunk >= chunks || row >= rows) return;
+    const int64_t row = first + r;
+    if (row >= rows) return;
 #pragma unroll
     for (int i = 0; i < kRmsMaxV; ++i) {
       const int vi = gt + i * G;
@@ -117,13 +136,13 @@ __global__ void __launch_bounds__(rms_block<G>(), G <= 128 ? 2 : 1)
   };
   Raw<T, V> gn[kRmsMaxV], xn[kRmsMaxV];
   load_row(0, gn, xn);
-  for (int r = 0; r < kRmsChunk; ++r) {  // same trip count in every group: group_sum syncs
-    const int64_t row = chunk * kRmsChunk + r;
-    const bool valid = chunk < chunks && row < rows;
+  for (int r = 0; r < span; ++r) {  // same trip count in every group: group_sum syncs
+    const int64_t row = first + r;
+    const bool valid = row < rows;
     Raw<T, V> gv[kRmsMaxV], xv[kRmsMaxV];
 #pragma unroll
     for (int i = 0; i < kRmsMaxV; ++i) gv[i] = gn[i], xv[i] = xn[i];
-    if (r + 1 < kRmsChunk) load_row(r + 1, gn, xn);
+    if (r + 1 < span) load_row(r + 1, gn, xn);
     float dot = 0.f;
 #pragma unroll
     for (int i = 0; i < kRmsMaxV; ++i) {
@@ -133,38 +152,55 @@ __global__ void __launch_bounds__(rms_block<G>(), G <= 128 ? 2 : 1)
       }
     }
     const float total = group_sum<G>(dot, red);
-    if (!valid) continue;
-    const float rs = rstd[row];
-    const float c = ((total * rs) * rs) * inv_h;
+    if (valid) {
+      const float rs = rstd[row];
+      const float c = ((total * rs) * rs) * inv_h;
 #pragma unroll
-    for (int i = 0; i < kRmsMaxV; ++i) {
-      const int vi = gt + i * G;
-      if (vi < nv) {
-        float dv[V];
+      for (int i = 0; i < kRmsMaxV; ++i) {
+        const int vi = gt + i * G;
+        if (vi < nv) {
+          float dv[V];
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-          const float gx = gv[i].get(j), xx = xv[i].get(j);
-          dv[j] = rs * __fsub_rn(gx * wv[i].get(j), xx * c);
-          dw[j * nv + vi] = fmaf(gx, xx * rs, dw[j * nv + vi]);
+          for (int j = 0; j < V; ++j) {
+            const float gx = gv[i].get(j), xx = xv[i].get(j);
+            dv[j] = rs * __fsub_rn(gx * wv[i].get(j), xx * c);
+            dw[j * nv + vi] = fmaf(gx, xx * rs, dw[j * nv + vi]);
+          }
+          store_f32<T, V>(dx + row * h + vi * V, dv);
         }
-        store_f32<T, V>(dx + row * h + vi * V, dv);
+      }
+    }
+    // The end of a chunk that has rows: its sum joins the running one, and the next starts at zero.
+    const int64_t chunk_first = first + r / kRmsChunk * kRmsChunk;
+    if (subs > 1 && r % kRmsChunk == kRmsChunk - 1 && chunk_first < rows) {
+#pragma unroll
+      for (int i = 0; i < kRmsMaxV; ++i) {
+        const int vi = gt + i * G;
+        if (vi < nv) {
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            tot[j * nv + vi] = (r < kRmsChunk ? 0.f : tot[j * nv + vi]) + dw[j * nv + vi];
+            dw[j * nv + vi] = 0.f;
+          }
+        }
       }
     }
   }
-  if (chunk >= chunks) return;
+  if (!live) return;
+  const float* sum = subs > 1 ? tot : dw;
 #pragma unroll
   for (int i = 0; i < kRmsMaxV; ++i) {
     const int vi = gt + i * G;
     if (vi < nv) {
 #pragma unroll
-      for (int j = 0; j < V; ++j) dw_part[chunk * h + vi * V + j] = dw[j * nv + vi];
+      for (int j = 0; j < V; ++j) dw_part[group * h + vi * V + j] = sum[j * nv + vi];
     }
   }
 }
 
-// The fixed column-sum tree in one launch: level-1 row q of column c adds part[c' , c] for chunks
-// c' in [32 q, 32 q + 32) in order, and each level above adds 32 consecutive rows of the one below
-// in order, until one row (grad_weight) is left. So grad_weight is a fixed tree over chunks that
+// The fixed column-sum tree in one launch: level-1 row q of column c adds part[c' , c] for group
+// partials c' in [32 q, 32 q + 32) in order, and each level above adds 32 consecutive rows of the one below
+// in order, until one row (grad_weight) is left. So grad_weight is a fixed tree over rows that
 // depends only on the number of rows. Block (q, slice) computes level-1 row q of 128 columns; the
 // last block of a slice to finish (counted in done[slice], which the backward kernel cleared) adds
 // the levels above for its columns, one thread a column, each level in place over `level`. One
