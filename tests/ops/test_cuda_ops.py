@@ -59,8 +59,9 @@ def test_det_gemm_rows_do_not_depend_on_batch_or_position(ops, dtype):
 # (4 ranges at N = 1024, 2 from 2048): the ranges meet across CTAs at decode sizes and up to
 # M = 256 where the tiles make less than a wave, and within a CTA elsewhere, on every tile that
 # keeps a second accumulator (128 rows by 32 at M = 300, by 64 at 520, by 128 and 160; 64 rows by
-# 32 and 64).
-GEMM_TILE_NS = (1024, 2048, 2176, 2560, 4096, 8448, 16896, 33792)
+# 32, and by 64 at N = 264). N = 576 takes the ranges across CTAs on swapped 32 x 64 slabs (M = 40
+# and 64) and on 64 x 64 tiles (M = 192).
+GEMM_TILE_NS = (264, 576, 1024, 2048, 2176, 2560, 4096, 8448, 16896, 33792)
 GEMM_ROW_MS = (1, 2, 3, 4, 8, 16, 17, 32, 40, 64, 65, 128, 192, 256, 300, 520, 1000, 1024, 4096, 4097,
                8192)
 
@@ -130,7 +131,7 @@ def test_det_gemm_reads_its_inputs_only_once_they_are_written(ops):
 
     # At N = 1024 (K in 4 ranges): swapped weight-stream tiles at 3 tokens (they let the next
     # launch in early) and 64 x 32 tiles at 64, each writing range sums that one more kernel adds
-    # up; 64 x 64 tiles that add their own ranges at 1024. At N = 4096 (one range): swapped tiles
+    # up; 128 x 64 tiles that add their own ranges at 1024. At N = 4096 (one range): swapped tiles
     # at 3 tokens that let the next GEMM in early, 64 x 128 tiles at 256.
     for n, m in ((1024, 3), (1024, 64), (1024, 1024), (4096, 3), (4096, 256)):
         w = randn(n, n, scale=n ** -0.5, seed=21)

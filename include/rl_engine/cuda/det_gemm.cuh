@@ -579,10 +579,21 @@ inline GemmRing gemm_ring(int bm, int bn, int subs, int m, int64_t tiles, int nu
 // over every tile at M = 64 to 1024 and the shapes of benchmarks/hopper_ops.py: a part wave of
 // large tiles beats full waves of narrow ones (each CTA re-reads A and B per tile from L2), and a
 // 64-row tile (two CTAs an SM) beats a 128-row one whose last row block is half empty.
+// From M = 33 to 64 a 64-row tile of 128, then 64, columns whose tiles busy every SM and all fit
+// at once (two CTAs an SM) comes first: there the weight streams through every SM in one pass
+// (measured at aa82a83, M = 64: 4B's gate-up 34.1 -> 31.0 us on 64 x 128 instead of 64 x 32, the
+// wide shape 32.9 -> 30.1 on 64 x 64 instead of 64 x 128).
 inline GemmTile choose_gemm_tile(int m, int n, int num_sms) {
   static constexpr GemmTile kTileOrder[] = {{128, 256, false}, {128, 128, false}, {64, 128, false},
                                             {128, 64, false},  {128, 32, false},  {64, 64, false},
                                             {64, 32, false}};
+  if (m > 32 && m <= 64) {
+    for (const int bn : {128, 64}) {
+      const int64_t tiles = (n + bn - 1) / bn;
+      if (tiles >= num_sms && tiles <= static_cast<int64_t>(num_sms) * gemm_cfg::gemm_max_occupancy(1, bn))
+        return {64, bn, false};
+    }
+  }
   if (m > 64) {
     // Own efficiency of a 128 x bn tile, per 1/100: products per byte it stages, 128 bn / (128 +
     // bn), relative to the 256-wide tile's, flattened since wgmma also reuses B across the two
@@ -646,9 +657,12 @@ inline GemmSplit gemm_no_split(int k) { return {1, (k + gemm_cfg::kBK - 1) / gem
 // A tile whose accumulator fits twice in a thread's registers (the running sum of a split K
 // beside the range's own): 128 rows by at most 160 columns (2 x 80 of 240 registers), 64 rows by
 // at most 64 (two CTAs an SM, 128 registers). A wider pick becomes 160 or 128 columns, whichever
-// leaves less of the last column block empty (160 on a tie: it stages fewer bytes per product).
+// leaves less of the last column block empty (160 on a tie: it stages fewer bytes per product);
+// 64 x 128 becomes 128 x 64, as many tiles with half the shared-memory traffic per product of
+// 64 x 64's twice as many (measured at aa82a83, the KV projections at M = 1024: 4B 16.3 -> 13.4
+// us, 8B 25.4 -> 19.4).
 inline GemmTile gemm_two_sum_tile(GemmTile t, int n) {
-  if (t.bm == 64 && t.bn > 64) t.bn = 64;
+  if (t.bm == 64 && t.bn > 64) t = {128, 64, false};
   if (t.bm == 128 && t.bn > 160) t.bn = (n + 159) / 160 * 160 - n <= (n + 127) / 128 * 128 - n ? 160 : 128;
   return t;
 }
@@ -677,6 +691,13 @@ inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms, bool split_k) {
   const int64_t tiles = static_cast<int64_t>((m + t.bm - 1) / t.bm) * ((n + t.bn - 1) / t.bn);
   if (t.swap || (m <= 256 && tiles <= num_sms)) {
     p.tile = choose_gemm_tile(m, n * p.split.splits, num_sms);
+    // From M = 17 to 64 a (tile, range) is a short K chain: 64 x 32 tiles, four CTAs an SM, where
+    // their items busy every SM and fit at once (measured at aa82a83: 4B's o projection at M = 64
+    // 12.8 -> 11.5 us, at M = 32 12.1 -> 11.1; its down projection and the KV projections 1-8%).
+    const int64_t narrow = static_cast<int64_t>((n + 31) / 32) * p.split.splits;
+    if (m > 16 && m <= 64 && narrow >= num_sms &&
+        narrow <= static_cast<int64_t>(num_sms) * gemm_cfg::gemm_max_occupancy(1, 32))
+      p.tile = {64, 32, false};
     p.split.across = true;
     p.scratch_floats = static_cast<int64_t>(p.split.splits) * m * n;
     return p;
