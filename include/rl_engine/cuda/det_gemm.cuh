@@ -581,8 +581,9 @@ inline GemmRing gemm_ring(int bm, int bn, int subs, int m, int64_t tiles, int nu
 // 64-row tile (two CTAs an SM) beats a 128-row one whose last row block is half empty.
 // From M = 33 to 64 a 64-row tile of 128, then 64, columns whose tiles busy every SM and all fit
 // at once (two CTAs an SM) comes first: there the weight streams through every SM in one pass
-// (measured at aa82a83, M = 64: 4B's gate-up 34.1 -> 31.0 us on 64 x 128 instead of 64 x 32, the
-// wide shape 32.9 -> 30.1 on 64 x 64 instead of 64 x 128).
+// (benchmarks/hopper_ops.py at da6f8da, M = 64: gate-up 33.4 -> 30.3 us (4B) and 57.7 -> 54.0
+// (8B) on 64 x 128 instead of 64 x 32 / 64, the wide shape 32.0 -> 29.8 on 64 x 64 instead of
+// 64 x 128).
 inline GemmTile choose_gemm_tile(int m, int n, int num_sms) {
   static constexpr GemmTile kTileOrder[] = {{128, 256, false}, {128, 128, false}, {64, 128, false},
                                             {128, 64, false},  {128, 32, false},  {64, 64, false},
@@ -659,8 +660,8 @@ inline GemmSplit gemm_no_split(int k) { return {1, (k + gemm_cfg::kBK - 1) / gem
 // at most 64 (two CTAs an SM, 128 registers). A wider pick becomes 160 or 128 columns, whichever
 // leaves less of the last column block empty (160 on a tie: it stages fewer bytes per product);
 // 64 x 128 becomes 128 x 64, as many tiles with half the shared-memory traffic per product of
-// 64 x 64's twice as many (measured at aa82a83, the KV projections at M = 1024: 4B 16.3 -> 13.4
-// us, 8B 25.4 -> 19.4).
+// 64 x 64's twice as many (benchmarks/hopper_ops.py at da6f8da, the KV projections at M = 1024:
+// 4B 16.5 -> 13.8 us, 8B 25.6 -> 20.0).
 inline GemmTile gemm_two_sum_tile(GemmTile t, int n) {
   if (t.bm == 64 && t.bn > 64) t = {128, 64, false};
   if (t.bm == 128 && t.bn > 160) t.bn = (n + 159) / 160 * 160 - n <= (n + 127) / 128 * 128 - n ? 160 : 128;
@@ -691,11 +692,13 @@ inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms, bool split_k) {
   const int64_t tiles = static_cast<int64_t>((m + t.bm - 1) / t.bm) * ((n + t.bn - 1) / t.bn);
   if (t.swap || (m <= 256 && tiles <= num_sms)) {
     p.tile = choose_gemm_tile(m, n * p.split.splits, num_sms);
-    // From M = 17 to 64 a (tile, range) is a short K chain: 64 x 32 tiles, four CTAs an SM, where
-    // their items busy every SM and fit at once (measured at aa82a83: 4B's o projection at M = 64
-    // 12.8 -> 11.5 us, at M = 32 12.1 -> 11.1; its down projection and the KV projections 1-8%).
+    // From M = 33 to 64 a (tile, range) is a short K chain: 64 x 32 tiles, four CTAs an SM, where
+    // their items busy every SM and fit at once. benchmarks/hopper_ops.py at da6f8da, M = 64: 4B's
+    // o projection 12.6 -> 11.4 us, its down projection 21.3 -> 20.4, the KV projections 7.7 ->
+    // 7.0 (4B) and 8.7 -> 8.1 (8B); at M = 32, where the swapped weight-stream tiles let the next
+    // launch in early, the same tiles were 0-7% slower, so M <= 32 keeps those.
     const int64_t narrow = static_cast<int64_t>((n + 31) / 32) * p.split.splits;
-    if (m > 16 && m <= 64 && narrow >= num_sms &&
+    if (m > 32 && m <= 64 && narrow >= num_sms &&
         narrow <= static_cast<int64_t>(num_sms) * gemm_cfg::gemm_max_occupancy(1, 32))
       p.tile = {64, 32, false};
     p.split.across = true;
