@@ -52,18 +52,20 @@ def test_det_gemm_rows_do_not_depend_on_batch_or_position(ops, dtype):
     assert torch.equal(ops.det_gemm(x[5:6], w, bias), yb[5:6])
 
 
-# With M x N over this grid, plan_det_gemm on a 132-SM H200 picks every tile it can pick: swapped
-# slabs of 16 and 32 weight rows by 8, 16, 32 and 64 tokens and of 64 rows by 8, 16 and 32 tokens
-# (1, 2 or 4 CTAs an SM, M below the token width), 64 rows by 32, 64 and 128 columns, 128 rows by
-# 32, 64, 128, 160, 192 and 256 columns; rows that start mid-tile too. Up to N = 3072 K is split
-# (4 ranges at N = 1024, 2 from 2048): the ranges meet across CTAs at decode sizes and up to
-# M = 256 where the tiles make less than a wave, and within a CTA elsewhere, on every tile that
-# keeps a second accumulator (128 rows by 32 at M = 300, by 64 at 520, by 128 and 160; 64 rows by
-# 32, and by 64 at N = 264). N = 576 takes the ranges across CTAs on swapped 32 x 64 slabs (M = 40
-# and 64) and on 64 x 64 tiles (M = 192).
-GEMM_TILE_NS = (264, 576, 1024, 2048, 2176, 2560, 4096, 8448, 16896, 33792)
-GEMM_ROW_MS = (1, 2, 3, 4, 8, 16, 17, 32, 40, 64, 65, 128, 192, 256, 300, 520, 1000, 1024, 4096, 4097,
-               8192)
+# With M x N over this grid, plan_det_gemm on a 132-SM H200 picks every tile and split placement
+# it can pick at K = 1000 (enumerated over M <= 9000, N <= 40000): swapped slabs of 16 and 32
+# weight rows by 8, 16, 32 and 64 tokens and of 64 rows by 8, 16 and 32 tokens (1, 2 or 4 CTAs an
+# SM, M below the token width), 64 rows by 32, 64 and 128 columns, 128 rows by 32, 64, 128, 160,
+# 192 and 256 columns; rows that start mid-tile too. Up to N = 3072 K is split (4 ranges at N =
+# 1024, 2 from 2048): the ranges meet across CTAs at decode sizes and up to M = 256 where the tiles
+# make less than a wave (on swapped slabs and on 64- and 128-row tiles: 32 x 64 slabs and 64 x 64
+# tiles at N = 576, 128 x 64 at N = 584), and within a CTA elsewhere, on every tile that keeps a
+# second accumulator (128 rows by 32 at M = 300, by 64 at 520, by 128 and 160; 64 rows by 32, and
+# by 64 at N = 264). Not reachable here: 128 x 160 across CTAs (K of 2048 and more) and the 16-row
+# slabs unsplit (only products that keep K in one range).
+GEMM_TILE_NS = (264, 576, 584, 1024, 2048, 2176, 2560, 4096, 4232, 8448, 16896, 16904, 33792)
+GEMM_ROW_MS = (1, 2, 3, 4, 8, 16, 17, 32, 33, 40, 64, 65, 128, 129, 192, 256, 300, 520, 522, 1000, 1024,
+               4096, 4097, 8192)
 
 
 def test_det_gemm_every_tile_gives_the_same_bits(ops):
@@ -243,21 +245,24 @@ def fan_in(level, width=32):
 
 # 17 rows are two chunks, one group each, in one level; 513 rows are 33 groups in two levels, the
 # last of a single row; 16901 rows are 1057 chunks, two a group (16901 >= 2 x 8192): 529 groups in
-# two levels; 40000 rows are 2500 chunks, four a group: 625 groups in three (625 -> 20 -> 1), the
-# upper levels added in place by the last block of each column slice. 1001 columns leave the last
+# two levels; 40017 rows are 2502 chunks, four a group: 626 groups in three (626 -> 20 -> 1), the
+# last group two chunks (one of a single row) and two empty ones, the upper levels added in place
+# by the last block of each column slice. 1001 bf16 columns make one group a block (V = 1, G =
+# 512); 1000 make eight (V = 8, G = 32), each with its own running sum. Both leave the last column
 # slice of 128 partly empty.
-@pytest.mark.parametrize("rows, subs", [(17, 1), (513, 1), (16901, 2), (40000, 4)])
-def test_rmsnorm_grad_weight_is_the_fixed_chunk_tree(ops, rows, subs):
+@pytest.mark.parametrize("rows, subs, h", [(17, 1, 1001), (513, 1, 1001), (16901, 2, 1001),
+                                           (40017, 4, 1001), (16901, 2, 1000), (40017, 4, 1000)])
+def test_rmsnorm_grad_weight_is_the_fixed_chunk_tree(ops, rows, subs, h):
     """grad_weight sums each group's `subs` 16-row chunks in order, then adds the group partials
     32 at a time in order, level by level: the same tree built here from the op's own one-chunk
-    grad_weights, bit for bit. `subs` is rms_bwd_subs (rmsnorm.cuh): 1, 2 or 4 chunks a group, the
-    most that leave 512 groups."""
-    h = 1001
+    grad_weights, bit for bit; grad_x is the one-chunk calls' rows. `subs` is rms_bwd_subs
+    (rmsnorm.cuh): 1, 2 or 4 chunks a group, the most that leave 512 groups."""
     x, w, g = randn(rows, h, seed=21), randn(h, seed=22), randn(rows, h, seed=23)
     _, rstd = ops.rmsnorm(x, w, 1e-6)
-    dw = ops.rmsnorm_backward(g, x, w, rstd)[1]
-    ref = torch.stack([ops.rmsnorm_backward(g[c:c + 16], x[c:c + 16], w, rstd[c:c + 16])[1]
-                       for c in range(0, rows, 16)])
+    dx, dw = ops.rmsnorm_backward(g, x, w, rstd)
+    chunks = [ops.rmsnorm_backward(g[c:c + 16], x[c:c + 16], w, rstd[c:c + 16]) for c in range(0, rows, 16)]
+    assert torch.equal(dx, torch.cat([c[0] for c in chunks]))
+    ref = torch.stack([c[1] for c in chunks])
     if subs > 1:
         ref = fan_in(ref, subs)
     ref = fan_in(ref)

@@ -563,6 +563,11 @@ inline GemmRing gemm_ring(int bm, int bn, int subs, int m, int64_t tiles, int nu
   return r;
 }
 
+// Whether `items` CTAs of a 64-row tile bn wide busy every SM and are all resident at once.
+inline bool gemm_one_resident_pass(int64_t items, int bn, int num_sms) {
+  return items >= num_sms && items <= static_cast<int64_t>(num_sms) * gemm_cfg::gemm_max_occupancy(1, bn);
+}
+
 // The one tile choice of det_gemm (forward and both backward products). It may look at M, N and the
 // SM count because the tile never changes a row's bits (see the top of this file); K is not looked
 // at. Above M = 64 it first weighs the 128-row tiles of 256, 192, 160 and 128 columns: the share of
@@ -590,9 +595,7 @@ inline GemmTile choose_gemm_tile(int m, int n, int num_sms) {
                                             {64, 32, false}};
   if (m > 32 && m <= 64) {
     for (const int bn : {128, 64}) {
-      const int64_t tiles = (n + bn - 1) / bn;
-      if (tiles >= num_sms && tiles <= static_cast<int64_t>(num_sms) * gemm_cfg::gemm_max_occupancy(1, bn))
-        return {64, bn, false};
+      if (gemm_one_resident_pass((n + bn - 1) / bn, bn, num_sms)) return {64, bn, false};
     }
   }
   if (m > 64) {
@@ -698,9 +701,7 @@ inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms, bool split_k) {
     // 7.0 (4B) and 8.7 -> 8.1 (8B); at M = 32, where the swapped weight-stream tiles let the next
     // launch in early, the same tiles were 0-7% slower, so M <= 32 keeps those.
     const int64_t narrow = static_cast<int64_t>((n + 31) / 32) * p.split.splits;
-    if (m > 32 && m <= 64 && narrow >= num_sms &&
-        narrow <= static_cast<int64_t>(num_sms) * gemm_cfg::gemm_max_occupancy(1, 32))
-      p.tile = {64, 32, false};
+    if (m > 32 && m <= 64 && gemm_one_resident_pass(narrow, 32, num_sms)) p.tile = {64, 32, false};
     p.split.across = true;
     p.scratch_floats = static_cast<int64_t>(p.split.splits) * m * n;
     return p;

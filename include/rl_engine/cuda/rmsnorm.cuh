@@ -11,7 +11,7 @@
 // zero; it adds its chunks' sums in order and writes that partial to memory, and
 // rlk_rmsnorm_column_tree_kernel adds the partials, 32 consecutive ones at a time in order, level by
 // level. grad_weight therefore sums rows through a fixed tree anchored at row 0 whose shape depends
-// only on the number of rows (rms_bwd_subs).
+// on the number of rows (and, for very wide rows, on H: rms_bwd_subs), never on the device.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -29,12 +29,14 @@ constexpr int kRmsMaxV = 4;  // vectors per thread
 // writes one fp32 row of partials (4 H bytes) and the column tree reads it back, against the 6 H
 // bytes a row of bf16 moves: at one chunk a group those two are 8% of the op's traffic, at four
 // 2%. 512 groups keep the H200's 528 group slots at H = 4096 (two blocks of two groups an SM) about
-// full. The shape of the sum depends on the number of rows alone, never on the device.
-// A group's two rows of H floats (this chunk's sums and the running one) must fit the block's
-// shared memory beside its other groups': at one group a block, H above 28672 walks one chunk.
+// full. The shape of the sum depends on the number of rows (and, past H = 29040, on H), never on
+// the device. A group's two rows of H floats (this chunk's sums and the running one) must fit the
+// block's 227 KB of shared memory beside its other groups' and the kernel's static red[32]: at one
+// group a block, H above 29040 walks one chunk.
 inline int rms_bwd_subs(int64_t rows, int64_t h, int groups_per_block) {
+  constexpr int64_t kDynamicLimit = 227 * 1024 - 32 * static_cast<int64_t>(sizeof(float));
   const int64_t per = rows / (512 * kRmsChunk);
-  if (2 * groups_per_block * h * static_cast<int64_t>(sizeof(float)) > 227 * 1024) return 1;
+  if (2 * groups_per_block * h * static_cast<int64_t>(sizeof(float)) > kDynamicLimit) return 1;
   return per >= 4 ? 4 : per >= 2 ? 2 : 1;
 }
 
@@ -198,10 +200,10 @@ __global__ void __launch_bounds__(rms_block<G>(), G <= 128 ? 2 : 1)
   }
 }
 
-// The fixed column-sum tree in one launch: level-1 row q of column c adds part[c' , c] for group
-// partials c' in [32 q, 32 q + 32) in order, and each level above adds 32 consecutive rows of the one below
-// in order, until one row (grad_weight) is left. So grad_weight is a fixed tree over rows that
-// depends only on the number of rows. Block (q, slice) computes level-1 row q of 128 columns; the
+// The fixed column-sum tree in one launch: level-1 row q of column c adds part[c', c] for group
+// partials c' in [32 q, 32 q + 32) in order, and each level above adds 32 consecutive rows of the
+// one below in order, until one row (grad_weight) is left: a fixed tree over the group partials
+// that depends only on their number. Block (q, slice) computes level-1 row q of 128 columns; the
 // last block of a slice to finish (counted in done[slice], which the backward kernel cleared) adds
 // the levels above for its columns, one thread a column, each level in place over `level`. One
 // launch instead of one a level (three launches of 2-3 us at 32768 rows of 4096).
