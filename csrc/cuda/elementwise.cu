@@ -46,15 +46,20 @@ int group_for(int64_t nv, const char* op) {
   TORCH_CHECK(false, op, ": rows of ", nv, " vectors are wider than this kernel handles");
 }
 
+// launch(tag, vec, grp) for rows of h elements of dtype dt: the element type, the vector width
+// and the row group of both RMSNorm kernels.
 template <typename L>
-void with_group(int g, L&& launch) {
-  switch (g) {
-    case 16: launch(std::integral_constant<int, 16>{}); break;
-    case 32: launch(std::integral_constant<int, 32>{}); break;
-    case 128: launch(std::integral_constant<int, 128>{}); break;
-    case 512: launch(std::integral_constant<int, 512>{}); break;
-    default: launch(std::integral_constant<int, 1024>{}); break;
-  }
+void with_norm_layout(at::ScalarType dt, int64_t h, const char* op, L&& launch) {
+  dispatch(dt, h, [&](auto tag, auto vec) {
+    const auto go = [&](auto grp) { launch(tag, vec, grp); };
+    switch (group_for(h / decltype(vec)::value, op)) {
+      case 16: go(std::integral_constant<int, 16>{}); break;
+      case 32: go(std::integral_constant<int, 32>{}); break;
+      case 128: go(std::integral_constant<int, 128>{}); break;
+      case 512: go(std::integral_constant<int, 512>{}); break;
+      default: go(std::integral_constant<int, 1024>{}); break;
+    }
+  });
 }
 
 void check_norm(const at::Tensor& x, const at::Tensor& weight, const char* op) {
@@ -78,18 +83,15 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm(const at::Tensor& x, const at::Tensor
   auto out = at::empty({rows, h}, x2.options());
   auto rstd = at::empty({rows}, x2.options().dtype(at::kFloat));
   if (rows > 0) {
-    dispatch(dt, h, [&](auto tag, auto vec) {
+    with_norm_layout(dt, h, op, [&](auto tag, auto vec, auto grp) {
       using T = decltype(tag);
-      constexpr int V = decltype(vec)::value;
-      with_group(group_for(h / V, op), [&](auto grp) {
-        constexpr int G = decltype(grp)::value;
-        const int block = rms_block<G>(), per_block = block / G;
-        rlk_rmsnorm_fwd_kernel<T, G, V><<<(rows + per_block - 1) / per_block, block, 0,
-                                         at::cuda::getCurrentCUDAStream()>>>(
-            reinterpret_cast<const T*>(x2.data_ptr()), reinterpret_cast<const T*>(w.data_ptr()),
-            reinterpret_cast<T*>(out.data_ptr()), rstd.data_ptr<float>(), rows, static_cast<int>(h),
-            1.f / static_cast<float>(h), static_cast<float>(eps));
-      });
+      constexpr int V = decltype(vec)::value, G = decltype(grp)::value;
+      const int block = rms_block<G>(), per_block = block / G;
+      rlk_rmsnorm_fwd_kernel<T, G, V><<<(rows + per_block - 1) / per_block, block, 0,
+                                       at::cuda::getCurrentCUDAStream()>>>(
+          reinterpret_cast<const T*>(x2.data_ptr()), reinterpret_cast<const T*>(w.data_ptr()),
+          reinterpret_cast<T*>(out.data_ptr()), rstd.data_ptr<float>(), rows, static_cast<int>(h),
+          1.f / static_cast<float>(h), static_cast<float>(eps));
     });
     check_launch(cudaGetLastError(), op);
   }
@@ -123,28 +125,25 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_backward(const at::Tensor& grad_out, 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   at::Tensor part, level;
   int64_t groups = 0, rows1 = 0;  // group partials, and the tree's first level
-  dispatch(dt, h, [&](auto tag, auto vec) {
+  with_norm_layout(dt, h, op, [&](auto tag, auto vec, auto grp) {
     using T = decltype(tag);
-    constexpr int V = decltype(vec)::value;
-    with_group(group_for(h / V, op), [&](auto grp) {
-      constexpr int G = decltype(grp)::value;
-      const int block = rms_block<G>(), per_block = block / G;
-      const int subs = rms_bwd_subs(rows, h, per_block);
-      groups = (rows + kRmsChunk * subs - 1) / (kRmsChunk * subs);
-      rows1 = (groups + kRmsFanIn - 1) / kRmsFanIn;
-      part = at::empty({groups, h}, f32);
-      level = at::empty({rows1 > 1 ? rows1 : 0, h}, f32);
-      const int smem = static_cast<int>((subs > 1 ? 2 : 1) * per_block * h * sizeof(float));
-      if (smem > 48 * 1024) {
-        check_launch(cudaFuncSetAttribute(rlk_rmsnorm_bwd_kernel<T, G, V>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, smem), op);
-      }
-      rlk_rmsnorm_bwd_kernel<T, G, V><<<(groups + per_block - 1) / per_block, block, smem, stream>>>(
-          reinterpret_cast<const T*>(g2.data_ptr()), reinterpret_cast<const T*>(x2.data_ptr()),
-          reinterpret_cast<const T*>(w.data_ptr()), rs.data_ptr<float>(),
-          reinterpret_cast<T*>(dx.data_ptr()), part.data_ptr<float>(), rows, static_cast<int>(h),
-          1.f / static_cast<float>(h), subs, done_ptr, slices);
-    });
+    constexpr int V = decltype(vec)::value, G = decltype(grp)::value;
+    const int block = rms_block<G>(), per_block = block / G;
+    const int subs = rms_bwd_subs(rows, h, per_block);
+    groups = (rows + kRmsChunk * subs - 1) / (kRmsChunk * subs);
+    rows1 = (groups + kRmsFanIn - 1) / kRmsFanIn;
+    part = at::empty({groups, h}, f32);
+    level = at::empty({rows1 > 1 ? rows1 : 0, h}, f32);
+    const int smem = static_cast<int>((subs > 1 ? 2 : 1) * per_block * h * sizeof(float));
+    if (smem > 48 * 1024) {
+      check_launch(cudaFuncSetAttribute(rlk_rmsnorm_bwd_kernel<T, G, V>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem), op);
+    }
+    rlk_rmsnorm_bwd_kernel<T, G, V><<<(groups + per_block - 1) / per_block, block, smem, stream>>>(
+        reinterpret_cast<const T*>(g2.data_ptr()), reinterpret_cast<const T*>(x2.data_ptr()),
+        reinterpret_cast<const T*>(w.data_ptr()), rs.data_ptr<float>(),
+        reinterpret_cast<T*>(dx.data_ptr()), part.data_ptr<float>(), rows, static_cast<int>(h),
+        1.f / static_cast<float>(h), subs, done_ptr, slices);
   });
   check_launch(cudaGetLastError(), op);
   rlk_rmsnorm_column_tree_kernel<<<dim3(static_cast<unsigned>(rows1), slices), kRmsTreeThreads, 0, stream>>>(
