@@ -474,17 +474,12 @@ struct SwapEpilogue {
     }
   }
 
-  // FoldEpilogue's fold for a swapped tile: fragment element 4j + 2h + e is C[cq + 8j + e, r + 8h].
+  // FoldEpilogue's fold for a swapped tile (its fragment holds C transposed).
   __device__ __forceinline__ int* counter(int tile) const { return inner.counter(tile); }
 
   template <int kA>
   __device__ __forceinline__ void fold(float (&acc)[kA], int row0, int col0, int m, int n) const {
-    const int t = threadIdx.x % 128;
-    const int r = row0 + (t / 32) * 16 + (t % 32) / 4, cq = col0 + (t % 4) * 2;
-    inner.add_ranges(acc, [&](int i) -> int64_t {
-      const int row = cq + 8 * (i / 4) + i % 2, col = r + 8 * (i / 2 % 2);
-      return row < n && col < m ? row * inner.ld + col : -1;
-    });
+    inner.template add_ranges<true>(acc, row0, col0, m, n);
     inner.with_result([&](const auto& out) {
       SwapEpilogue<std::decay_t<decltype(out)>>{out}(acc, row0, col0, m, n);
     });
@@ -536,18 +531,33 @@ struct FoldEpilogue {
 
   __device__ __forceinline__ int* counter(int tile) const { return counters + tile; }
 
-  // acc[i] = the sum over ranges, in range order, at offset at(i) of each slice (-1: outside C).
-  // Range by range, so a thread has its whole fragment's loads in flight at once.
-  template <int kA, typename At>
-  __device__ __forceinline__ void add_ranges(float (&acc)[kA], At at) const {
-    for (int s = 0; s < splits; ++s) {
-      const float* slice = ws + s * mn;
+  // acc[i] = the tile's range sums added in range order, ((p0 + p1) + p2) ..., for fragment element
+  // i = 4j + 2h + e (see the kernel's layout note): row r + 8h, column cq + 8j + e of the kernel's
+  // m x n product, which is C[row][column], or C[column][row] for a swapped tile (kSwap). One
+  // slice's loads go out together, addressed from one pointer and constants (and, swapped, one
+  // multiple of ld for each column), the elements outside the product a mask: an address and a
+  // predicate per element, kept across the slices, spilled (ptxas: up to 1.7 KB a thread).
+  template <bool kSwap, int kA>
+  __device__ __forceinline__ void add_ranges(float (&acc)[kA], int row0, int col0, int m, int n) const {
+    static_assert(kA <= 128, "a fragment of at most 64 column pairs");
+    const int t = threadIdx.x % 128;
+    const int r = row0 + (t / 32) * 16 + (t % 32) / 4, cq = col0 + (t % 4) * 2;
+    const unsigned rows = (r < m ? 1u : 0u) | (r + 8 < m ? 2u : 0u);  // bit h
+    uint64_t cols = 0;  // bit 2j + e
 #pragma unroll
-      for (int i = 0; i < kA; ++i) {
-        const int64_t o = at(i);
-        const float x = o >= 0 ? __ldcg(slice + o) : 0.f;
-        acc[i] = s == 0 ? x : __fadd_rn(acc[i], x);
-      }
+    for (int c = 0; c < kA / 2; ++c) cols |= static_cast<uint64_t>(cq + 8 * (c / 2) + c % 2 < n) << c;
+    const int64_t base = kSwap ? static_cast<int64_t>(cq) * ld + r : static_cast<int64_t>(r) * ld + cq;
+    auto element = [&](const float* slice, int i) {
+      const int j = i / 4, h = i / 2 % 2, e = i % 2;
+      const int64_t at = kSwap ? (8 * j + e) * ld + 8 * h : 8 * h * ld + 8 * j + e;
+      return (rows >> h & 1u) && (cols >> (2 * j + e) & 1u) ? __ldcg(slice + at) : 0.f;
+    };
+#pragma unroll
+    for (int i = 0; i < kA; ++i) acc[i] = element(ws + base, i);
+    for (int s = 1; s < splits; ++s) {
+      const float* slice = ws + s * mn + base;
+#pragma unroll
+      for (int i = 0; i < kA; ++i) acc[i] = __fadd_rn(acc[i], element(slice, i));
     }
   }
 
@@ -565,15 +575,9 @@ struct FoldEpilogue {
     }
   }
 
-  // Fragment element 4j + 2h + e is C[r + 8h, cq + 8j + e] (see the kernel's layout note).
   template <int kA>
   __device__ __forceinline__ void fold(float (&acc)[kA], int row0, int col0, int m, int n) const {
-    const int t = threadIdx.x % 128;
-    const int r = row0 + (t / 32) * 16 + (t % 32) / 4, cq = col0 + (t % 4) * 2;
-    add_ranges(acc, [&](int i) -> int64_t {
-      const int row = r + 8 * (i / 2 % 2), col = cq + 8 * (i / 4) + i % 2;
-      return row < m && col < n ? row * ld + col : -1;
-    });
+    add_ranges<false>(acc, row0, col0, m, n);
     with_result([&](const auto& out) { out(acc, row0, col0, m, n); });
   }
 };
