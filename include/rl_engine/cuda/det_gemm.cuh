@@ -121,21 +121,20 @@ __device__ __forceinline__ Epi epilogue_for_split(const Epi& epi, int s) {
 template <typename Epi>
 struct Folds : std::false_type {};
 
-// Whether this CTA wrote the last of its tile's range sums (a split across CTAs). Every consumer
-// thread's sums reach L2 before the CTA is counted; the last one sets the count back to zero, so
-// the next launch finds every count zero.
+// Whether this CTA wrote the last of its tile's range sums (a split across CTAs). The consumers'
+// barrier hands their sums to the first consumer thread, whose acquire-release add publishes them
+// and, in the last CTA, sees every other CTA's (the reads after it go to L2); the last one sets the
+// count back to zero, so the next launch finds every count zero. One ordered add a CTA, not a
+// __threadfence (fence.sc.gpu) in every thread.
 template <int kThreads>
 __device__ __forceinline__ bool last_range_of_tile(int* count, int splits) {
-  __threadfence();
   ptx::named_bar_sync(1, kThreads);
   bool last = false;
   if (threadIdx.x == 128) {  // the first consumer thread
-    last = atomicAdd(count, 1) == splits - 1;
+    last = ptx::atom_add_acq_rel_gpu(count, 1) == splits - 1;
     if (last) *count = 0;
   }
-  last = ptx::named_bar_any(1, kThreads, last);
-  if (last) __threadfence();
-  return last;
+  return ptx::named_bar_any(1, kThreads, last);
 }
 
 // Fragment layout of one consumer (m64nBN fp32): thread t of the warpgroup holds, for each 8-column
