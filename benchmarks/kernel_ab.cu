@@ -185,23 +185,6 @@ void decode(int d, int block, bool contiguous = false) {
 }
 
 #ifndef KERNEL_AB_NO_GEMM
-// launch_det_gemm_planned of either side: with per-tile counters where the plan has them (a split
-// across CTAs adds its ranges up in its last CTA), without where it does not (a second kernel does).
-using Bf16Store = rl_engine::cuda::StoreEpilogue<__nv_bfloat16>;
-template <typename Plan>
-auto launch_planned(const Plan& plan, const rl_engine::cuda::GemmOperands& op, const Bf16Store& epi,
-                    float* scratch, int sms, int) -> decltype(plan.counters, cudaError_t()) {
-  static int* counters = nullptr;
-  static int64_t held = 0;
-  if (plan.counters > held) counters = zeros<int>(held = plan.counters);
-  return rl_engine::cuda::launch_det_gemm_planned(op, epi, plan, scratch, counters, sms, nullptr);
-}
-template <typename Plan>
-cudaError_t launch_planned(const Plan& plan, const rl_engine::cuda::GemmOperands& op, const Bf16Store& epi,
-                           float* scratch, int sms, long) {
-  return rl_engine::cuda::launch_det_gemm_planned(op, epi, plan, scratch, sms, nullptr);
-}
-
 // det_gemm as planned for (m, n, k) into bf16, split K where the plan splits it.
 void gemm(const char* name, int m, int n, int k, int sms) {
   const void* a = random_bf16(size_t(m) * k, 1.f);
@@ -212,7 +195,7 @@ void gemm(const char* name, int m, int n, int k, int sms) {
   float* scratch = plan.scratch_floats > 0 ? zeros<float>(plan.scratch_floats) : nullptr;
   const GemmOperands op{a, k, w, k, m, n, k, DType::kBF16};
   const StoreEpilogue<__nv_bfloat16> epi{out, n, nullptr, false, n % 2 == 0, n % 8 == 0, 0};
-  auto run = [&] { check(launch_planned(plan, op, epi, scratch, sms, 0), "det_gemm"); };
+  auto run = [&] { check(launch_det_gemm_planned(op, epi, plan, scratch, sms, 0), "det_gemm"); };
   const float ms = median_ms(run, 50);
   std::printf("gemm %s m=%d n=%d k=%d tile=%dx%d%s splits=%d us=%.2f out=%016llx\n", name, m, n, k, plan.tile.bm,
               plan.tile.bn, plan.tile.swap ? "s" : "", plan.split.splits, ms * 1000,

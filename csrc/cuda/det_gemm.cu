@@ -7,9 +7,6 @@
 #include <torch/library.h>
 
 #include <climits>
-#include <map>
-#include <mutex>
-#include <utility>
 
 #include "cuda/det_gemm_instances.h"
 #include "cuda/glue.cuh"
@@ -17,21 +14,6 @@
 
 namespace rl_engine::cuda {
 namespace {
-
-// The per-tile counts of a split across CTAs (FoldEpilogue): one buffer a device and stream, zeroed
-// when made, and each launch leaves it zero, so the next launch on that stream finds it so. Launches
-// on one stream run in order; on two they may overlap, so each stream has its own. Held for the
-// life of the process (never freed at exit, after the CUDA runtime may be gone).
-int* fold_counters(int64_t counters, const at::Tensor& like) {
-  static std::mutex mutex;
-  static auto* held = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
-  const std::lock_guard<std::mutex> lock(mutex);
-  at::Tensor& c = (*held)[{like.get_device(), at::cuda::getCurrentCUDAStream().stream()}];
-  if (!c.defined() || c.numel() < counters) {
-    c = at::zeros({std::max<int64_t>(counters, 4096)}, like.options().dtype(at::kInt));
-  }
-  return c.data_ptr<int>();
-}
 
 template <typename Out>
 void gemm_store(const GemmOperands& g, const GemmPlan& plan, at::Tensor& out, const float* bias,
@@ -46,8 +28,7 @@ void gemm_store(const GemmOperands& g, const GemmPlan& plan, at::Tensor& out, co
   at::Tensor scratch;
   if (plan.scratch_floats > 0) scratch = at::empty({plan.scratch_floats}, out.options().dtype(at::kFloat));
   float* sp = plan.scratch_floats > 0 ? scratch.data_ptr<float>() : nullptr;
-  int* counters = plan.counters > 0 ? fold_counters(plan.counters, out) : nullptr;
-  check_launch(launch_det_gemm_planned(g, epi, plan, sp, counters, sm_count(), stream), op);
+  check_launch(launch_det_gemm_planned(g, epi, plan, sp, sm_count(), stream), op);
 }
 
 // An operand [rows, k] stored as the transpose of a matrix with 16-byte aligned rows: the bulk

@@ -132,9 +132,8 @@ def test_det_gemm_reads_its_inputs_only_once_they_are_written(ops):
         return outs
 
     # At N = 1024 (K in 4 ranges): swapped weight-stream tiles at 3 tokens (they let the next
-    # launch in early) and 64 x 32 tiles at 64, each writing range sums that the last CTA of a tile
-    # adds up, its counts left zero for the next launch; 128 x 64 tiles that add their own ranges
-    # at 1024. At N = 4096 (one range): swapped tiles
+    # launch in early) and 64 x 32 tiles at 64, each writing range sums that one more kernel adds
+    # up; 128 x 64 tiles that add their own ranges at 1024. At N = 4096 (one range): swapped tiles
     # at 3 tokens that let the next GEMM in early, 64 x 128 tiles at 256.
     for n, m in ((1024, 3), (1024, 64), (1024, 1024), (4096, 3), (4096, 256)):
         w = randn(n, n, scale=n ** -0.5, seed=21)

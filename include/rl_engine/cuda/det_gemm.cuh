@@ -11,8 +11,7 @@
 // the tile is swapped (B's rows as its rows), how many K blocks one shared-memory stage holds, and
 // where the range sums meet: in the CTA that computed them all (one range after the other, the
 // running sum in a second set of registers), or, where the tiles are too few to fill the SMs, in
-// separate CTAs that write them to a workspace, where the last of a tile's CTAs to finish adds them
-// up (plan_det_gemm, FoldEpilogue). So a
+// separate CTAs that write them to a workspace that one more kernel adds up (plan_det_gemm). So a
 // row's bits depend only on that row and B, not on M, on the row's position, on the tile or on the
 // grid. A swapped tile gives an element the same k16 steps with the operands' roles exchanged, and
 // the products are exact in fp32, so it gives the same bits (the row tests hold it to that).
@@ -94,11 +93,12 @@ __device__ __forceinline__ void gemm_tile_coords(int tile, int m_blocks, int n_b
 
 // How K is reduced: `splits` ranges of `blocks` K blocks each (the last one shorter), see
 // choose_gemm_split. across: each CTA computes one range of a tile and the epilogue (given the range
-// through its for_split) writes that range's sum to a workspace (FoldEpilogue); otherwise a CTA
+// through its for_split) writes that range's sum to the workspace `scratch`; otherwise a CTA
 // computes every range of its tile in order, its running sum in a second accumulator (kTwo).
 struct GemmSplit {
   int splits, blocks;
   bool across;
+  float* scratch;  // the workspace, which the kernel reaches only through the epilogue's for_split
   int items;  // set by the launch: tiles, or tiles x splits when across (read from the parameter
               // space, it costs the producer's few registers nothing)
 };
@@ -115,26 +115,6 @@ __device__ __forceinline__ Epi epilogue_for_split(const Epi& epi, int s) {
   } else {
     return epi;
   }
-}
-
-// Whether an epilogue adds up the range sums of a split across CTAs (FoldEpilogue, or one wrapped).
-template <typename Epi>
-struct Folds : std::false_type {};
-
-// Whether this CTA wrote the last of its tile's range sums (a split across CTAs). The consumers'
-// barrier hands their sums to the first consumer thread, whose acquire-release add publishes them
-// and, in the last CTA, sees every other CTA's (the reads after it go to L2); the last one sets the
-// count back to zero, so the next launch finds every count zero. One ordered add a CTA, not a
-// __threadfence (fence.sc.gpu) in every thread.
-template <int kThreads>
-__device__ __forceinline__ bool last_range_of_tile(int* count, int splits) {
-  ptx::named_bar_sync(1, kThreads);
-  bool last = false;
-  if (threadIdx.x == 128) {  // the first consumer thread
-    last = ptx::atom_add_acq_rel_gpu(count, 1) == splits - 1;
-    if (last) *count = 0;
-  }
-  return ptx::named_bar_any(1, kThreads, last);
 }
 
 // Fragment layout of one consumer (m64nBN fp32): thread t of the warpgroup holds, for each 8-column
@@ -293,11 +273,6 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
     const int row_end = (mb + 1) * kBM < m ? (mb + 1) * kBM : m;
     if (split.across) {
       epilogue_for_split(epi, first)(acc, mb * kBM + c * 64, nb * kBN, row_end, n);
-      if constexpr (Folds<Epi>::value) {
-        if (last_range_of_tile<128 * kConsumers>(epi.counter(tile), split.splits)) {
-          epi.fold(acc, mb * kBM + c * 64, nb * kBN, row_end, n);
-        }
-      }
     } else {
       epi(acc, mb * kBM + c * 64, nb * kBN, row_end, n);
     }
@@ -472,119 +447,28 @@ struct SwapEpilogue {
       }
     }
   }
-
-  // FoldEpilogue's fold for a swapped tile (its fragment holds C transposed).
-  __device__ __forceinline__ int* counter(int tile) const { return inner.counter(tile); }
-
-  template <int kA>
-  __device__ __forceinline__ void fold(float (&acc)[kA], int row0, int col0, int m, int n) const {
-    inner.template add_ranges<true>(acc, row0, col0, m, n);
-    inner.with_result([&](const auto& out) {
-      SwapEpilogue<std::decay_t<decltype(out)>>{out}(acc, row0, col0, m, n);
-    });
-  }
 };
 
-// The epilogue of a split across CTAs, one type whatever the output's (so its kernels compile
-// once). Each CTA writes its range's sum to the workspace, [splits][m][n] fp32, through `sums`;
-// the last of a tile's CTAs to finish (last_range_of_tile) reads the tile's range sums back in its
-// fragment's layout, adds them in range order, ((p0 + p1) + p2) ..., the same additions as a CTA
-// that computes every range, and stores them through `result`. Before, a second kernel added the
-// workspace up: its launch and its pass over the whole output cost about 4 us at M = 64-256
-// (4B's o projection at M = 128: 13.4 us of GEMM, then 4.2 us of that kernel).
-struct FoldEpilogue {
-  static constexpr bool kAnyWidth = true;
-  StoreEpilogue<float> sums;  // slice `range` of the workspace after for_split(range)
-  const float* ws;  // slice 0
-  int64_t ld, mn;  // a slice's row pitch (n) and size (m n)
-  int splits;
-  int* counters;  // per tile, how many of its ranges are written (zero before and after a launch)
-  StoreEpilogue<float> result;  // the output's epilogue, its `out` pointing at out_type elements
-  DType out_type;
-
-  template <typename Out>
-  static FoldEpilogue make(const StoreEpilogue<float>& sums, const StoreEpilogue<Out>& out,
-                           int splits, int* counters) {
-    const StoreEpilogue<float> erased{reinterpret_cast<float*>(out.out), out.ldo, out.bias,
-                                      out.accumulate, out.pairs, out.rows16};
-    const DType type = std::is_same_v<Out, float> ? DType::kF32
-                       : std::is_same_v<Out, __half> ? DType::kF16 : DType::kBF16;
-    return {sums, sums.out, sums.ldo, sums.split_stride, splits, counters, erased, type};
-  }
-
-  __host__ __device__ FoldEpilogue for_split(int s) const {
-    FoldEpilogue e = *this;
-    e.sums = sums.for_split(s);
-    return e;
-  }
-
-  template <int kA>
-  __device__ __forceinline__ void operator()(const float (&acc)[kA], int row0, int col0, int m,
-                                             int n) const {
-    sums(acc, row0, col0, m, n);
-  }
-
-  __device__ __forceinline__ void store_one(int row, int col, float v, int m, int n) const {
-    sums.store_one(row, col, v, m, n);
-  }
-
-  __device__ __forceinline__ int* counter(int tile) const { return counters + tile; }
-
-  // acc[i] = the tile's range sums added in range order, ((p0 + p1) + p2) ..., for fragment element
-  // i = 4j + 2h + e (see the kernel's layout note): row r + 8h, column cq + 8j + e of the kernel's
-  // m x n product, which is C[row][column], or C[column][row] for a swapped tile (kSwap). One
-  // slice's loads go out together, addressed from one pointer and constants (and, swapped, one
-  // multiple of ld for each column), the elements outside the product a mask: an address and a
-  // predicate per element, kept across the slices, spilled (ptxas: up to 1.7 KB a thread).
-  template <bool kSwap, int kA>
-  __device__ __forceinline__ void add_ranges(float (&acc)[kA], int row0, int col0, int m, int n) const {
-    static_assert(kA <= 128, "a fragment of at most 64 column pairs");
-    const int t = threadIdx.x % 128;
-    const int r = row0 + (t / 32) * 16 + (t % 32) / 4, cq = col0 + (t % 4) * 2;
-    const unsigned rows = (r < m ? 1u : 0u) | (r + 8 < m ? 2u : 0u);  // bit h
-    uint64_t cols = 0;  // bit 2j + e
-#pragma unroll
-    for (int c = 0; c < kA / 2; ++c) cols |= static_cast<uint64_t>(cq + 8 * (c / 2) + c % 2 < n) << c;
-    const int64_t base = kSwap ? static_cast<int64_t>(cq) * ld + r : static_cast<int64_t>(r) * ld + cq;
-    auto element = [&](const float* slice, int i) {
-      const int j = i / 4, h = i / 2 % 2, e = i % 2;
-      const int64_t at = kSwap ? (8 * j + e) * ld + 8 * h : 8 * h * ld + 8 * j + e;
-      return (rows >> h & 1u) && (cols >> (2 * j + e) & 1u) ? __ldcg(slice + at) : 0.f;
-    };
-#pragma unroll
-    for (int i = 0; i < kA; ++i) acc[i] = element(ws + base, i);
-    for (int s = 1; s < splits; ++s) {
-      const float* slice = ws + s * mn + base;
-#pragma unroll
-      for (int i = 0; i < kA; ++i) acc[i] = __fadd_rn(acc[i], element(slice, i));
-    }
-  }
-
-  template <typename F>
-  __device__ __forceinline__ void with_result(F&& f) const {
-    auto as = [&](auto* p) {
-      using Out = std::remove_pointer_t<decltype(p)>;
-      return StoreEpilogue<Out>{reinterpret_cast<Out*>(result.out), result.ldo, result.bias,
-                                result.accumulate, result.pairs, result.rows16};
-    };
-    switch (out_type) {
-      case DType::kF32: return f(result);
-      case DType::kF16: return f(as(static_cast<__half*>(nullptr)));
-      default: return f(as(static_cast<__nv_bfloat16*>(nullptr)));
-    }
-  }
-
-  template <int kA>
-  __device__ __forceinline__ void fold(float (&acc)[kA], int row0, int col0, int m, int n) const {
-    add_ranges<false>(acc, row0, col0, m, n);
-    with_result([&](const auto& out) { out(acc, row0, col0, m, n); });
-  }
-};
-
-template <>
-struct Folds<FoldEpilogue> : std::true_type {};
+// The range sums of a split reduced across CTAs (workspace [splits][m][n] fp32), added in range
+// order, through the det_gemm epilogue: the same additions as a CTA that computes every range.
 template <typename Epi>
-struct Folds<SwapEpilogue<Epi>> : Folds<Epi> {};
+__global__ void __launch_bounds__(256)
+    rlk_det_gemm_combine_kernel(const float* __restrict__ ws, int splits, int m, int n, const Epi epi) {
+  ptx::grid_dependency_wait();  // the range sums come from the kernel just before
+  const int64_t half = (n + 1) / 2, mn = static_cast<int64_t>(m) * n;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < m * half;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int row = static_cast<int>(i / half), col = static_cast<int>(i % half) * 2;
+    const float* p = ws + static_cast<int64_t>(row) * n + col;
+    const bool two = col + 1 < n;
+    float v0 = p[0], v1 = two ? p[1] : 0.f;
+    for (int s = 1; s < splits; ++s) {
+      v0 = __fadd_rn(v0, p[s * mn]);
+      if (two) v1 = __fadd_rn(v1, p[s * mn + 1]);
+    }
+    epi.store_pair(row, col, v0, v1, m, n);
+  }
+}
 
 // Host side. Operands: A [m, k] and B [n, k] with leading dimensions lda, ldb (elements). An
 // operand marked MN-major is stored as its transpose (A as [k, m], B as [k, n], ld between K rows):
@@ -768,11 +652,11 @@ inline GemmSplit choose_gemm_split(int n, int k) {
   want = want < 8 ? want : 8;
   want = want < units ? want : units;
   const int per = (units + want - 1) / want;
-  return {(units + per - 1) / per, 4 * per, false, 0};
+  return {(units + per - 1) / per, 4 * per, false, nullptr, 0};
 }
 
 // K in one range: the order of an epilogue that is not split (linear_logp's fused tiles).
-inline GemmSplit gemm_no_split(int k) { return {1, (k + gemm_cfg::kBK - 1) / gemm_cfg::kBK, false, 0}; }
+inline GemmSplit gemm_no_split(int k) { return {1, (k + gemm_cfg::kBK - 1) / gemm_cfg::kBK, false, nullptr, 0}; }
 
 // A tile whose accumulator fits twice in a thread's registers (the running sum of a split K
 // beside the range's own): 128 rows by at most 160 columns (2 x 80 of 240 registers), 64 rows by
@@ -787,12 +671,11 @@ inline GemmTile gemm_two_sum_tile(GemmTile t, int n) {
   return t;
 }
 
-// The layout of one det_gemm launch: its tile, its split, and, split across CTAs, the fp32
-// workspace and the tile counts (FoldEpilogue) it needs.
+// The layout of one det_gemm launch: its tile, its split, and the fp32 scratch it needs.
 struct GemmPlan {
   GemmTile tile;
   GemmSplit split;
-  int64_t scratch_floats, counters;
+  int64_t scratch_floats;
 };
 
 // A split K is reduced across CTAs for the weight stream of a swapped tile, and up to M = 256 where
@@ -806,7 +689,7 @@ struct GemmPlan {
 // split_k false keeps K in one range (gemm_no_split) for a product that must repeat the bits of an
 // unsplit kernel.
 inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms, bool split_k) {
-  GemmPlan p{choose_gemm_tile(m, n, num_sms), split_k ? choose_gemm_split(n, k) : gemm_no_split(k), 0, 0};
+  GemmPlan p{choose_gemm_tile(m, n, num_sms), split_k ? choose_gemm_split(n, k) : gemm_no_split(k), 0};
   if (p.split.splits == 1) return p;
   const GemmTile& t = p.tile;
   const int64_t tiles = static_cast<int64_t>((m + t.bm - 1) / t.bm) * ((n + t.bn - 1) / t.bn);
@@ -821,9 +704,6 @@ inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms, bool split_k) {
     if (m > 32 && m <= 64 && gemm_one_resident_pass(narrow, 32, num_sms)) p.tile = {64, 32, false};
     p.split.across = true;
     p.scratch_floats = static_cast<int64_t>(p.split.splits) * m * n;
-    // A swapped tile's rows are N's (see launch_det_gemm_tile).
-    p.counters = p.tile.swap ? static_cast<int64_t>((n + p.tile.bm - 1) / p.tile.bm) * ((m + p.tile.bn - 1) / p.tile.bn)
-                             : static_cast<int64_t>((m + p.tile.bm - 1) / p.tile.bm) * ((n + p.tile.bn - 1) / p.tile.bn);
     return p;
   }
   p.tile = gemm_two_sum_tile(t, n);
@@ -968,21 +848,26 @@ cudaError_t launch_det_gemm_sm90(const GemmOperands& op, const Epi& epi, int num
   return launch_det_gemm_tile<128, 256, false>(op, epi, gemm_no_split(op.k), num_sms, stream);
 }
 
-// det_gemm as plan_det_gemm(op.m, op.n, op.k, num_sms, ...) laid it out, into epi. A split
-// across CTAs needs `scratch`, plan.scratch_floats floats, and `counters`, plan.counters ints that
-// are zero (the launch leaves them zero; without either it is cudaErrorInvalidValue). Its tiles
-// write their range sums to scratch, and the last CTA of each adds them up into epi (FoldEpilogue).
+// det_gemm as plan_det_gemm(op.m, op.n, op.k, num_sms, ...) laid it out, into epi (a StoreEpilogue);
+// scratch holds plan.scratch_floats floats (null only when that is 0: a split across CTAs without it
+// is cudaErrorInvalidValue). Split across CTAs, the tiles write their range sums to scratch and
+// rlk_det_gemm_combine_kernel adds them up into epi.
 template <typename Out>
 cudaError_t launch_det_gemm_planned(const GemmOperands& op, const StoreEpilogue<Out>& epi,
-                                    const GemmPlan& plan, float* scratch, int* counters, int num_sms,
-                                    cudaStream_t stream) {
-  if (!plan.split.across) return launch_det_gemm_on(plan.tile, op, epi, plan.split, num_sms, stream);
+                                    const GemmPlan& plan, float* scratch, int num_sms, cudaStream_t stream) {
+  GemmSplit split = plan.split;
+  split.scratch = scratch;
+  if (!split.across) return launch_det_gemm_on(plan.tile, op, epi, split, num_sms, stream);
   if (op.m <= 0 || op.n <= 0) return cudaSuccess;
-  if (scratch == nullptr || counters == nullptr) return cudaErrorInvalidValue;
+  if (scratch == nullptr) return cudaErrorInvalidValue;
   const int64_t mn = static_cast<int64_t>(op.m) * op.n;
   const StoreEpilogue<float> sums{scratch, op.n, nullptr, false, op.n % 2 == 0, false, mn};
-  return launch_det_gemm_on(plan.tile, op, FoldEpilogue::make(sums, epi, plan.split.splits, counters),
-                            plan.split, num_sms, stream);
+  cudaError_t e = launch_det_gemm_on(plan.tile, op, sums, split, num_sms, stream);
+  if (e != cudaSuccess) return e;
+  const int64_t blocks = (static_cast<int64_t>(op.m) * ((op.n + 1) / 2) + 255) / 256;  // a pair a thread
+  PdlLaunch launch(static_cast<int>(blocks < 8 * num_sms ? blocks : 8 * num_sms), 256, 0, stream);
+  return cudaLaunchKernelEx(&launch.cfg, rlk_det_gemm_combine_kernel<StoreEpilogue<Out>>,
+                            static_cast<const float*>(scratch), split.splits, op.m, op.n, epi);
 }
 
 template <typename Epi>

@@ -110,23 +110,6 @@ __device__ __forceinline__ void named_bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-// atomicAdd at GPU scope with acquire-release order: it publishes what this thread's CTA wrote
-// before a barrier with it (release is cumulative) and sees what earlier adders published.
-__device__ __forceinline__ int atom_add_acq_rel_gpu(int* p, int v) {
-  int old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
-}
-
-// named_bar_sync that also returns whether `pred` held in any of the `threads` threads.
-__device__ __forceinline__ bool named_bar_any(int id, int threads, bool pred) {
-  uint32_t any;
-  asm volatile(
-      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n"
-      " selp.u32 %0, 1, 0, q;\n}" : "=r"(any) : "r"(static_cast<uint32_t>(pred)), "r"(id), "r"(threads) : "memory");
-  return any != 0;
-}
-
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 }
