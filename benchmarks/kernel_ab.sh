@@ -5,11 +5,11 @@
 #
 # Builds benchmarks/kernel_ab.cu (plain CUDA: seconds for attn and decode, but gemm instantiates
 # every det_gemm tile in one unit a side: more than seven minutes on the H200's host) once against
-# BASE_REV's include/ and csrc/ and once against the working tree's, runs the two builds in turn twice (base, new,
-# base, new: a drift of the clocks does not favour one side) on the same inputs, and prints each
-# case's faster time on both sides with the working tree's speed-up. Exit status: 0 when every
-# output's bits are the same on both sides, 3 when some differ, 1 when a build or a run fails. A
-# change meant to keep the bits proves it here before the extension is built.
+# BASE_REV's include/ and csrc/ and once against the working tree's, runs the two builds in turn
+# twice (base, new, base, new: a drift of the clocks does not favour one side) on the same inputs,
+# and prints each case's faster time on both sides with the working tree's speed-up. Exit status:
+# 0 when every output's bits are the same on both sides, 3 when some differ, 1 when a build or a
+# run fails. A change meant to keep the bits proves it here before the extension is built.
 set -euo pipefail
 
 usage="usage: bash benchmarks/kernel_ab.sh BASE_REV [attn|decode|gemm]"
