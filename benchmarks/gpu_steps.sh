@@ -8,6 +8,12 @@
 # runs only the named steps (and the build and models they need). DEVICE=cpu SKIP_BUILD=1 runs the
 # same plumbing on a CPU machine, to check a script itself.
 #
+# SOURCE_BUNDLE=file.bundle (benchmarks/device_ext.sh writes one) makes the checkout's HEAD the
+# bundle's, for a machine whose copy of the history stops at an older commit, so that every result
+# names the commit it measured; it refuses a tree whose tracked files differ from that commit.
+# EXT_PREBUILT=rl_engine_C-COMMIT.so.gz (device_ext.sh too: built on another machine against this
+# machine's torch and Python) installs that build instead of compiling, if COMMIT is HEAD.
+#
 # The sm_90a build takes minutes of GPU-machine time; EXT_OUT=folder keeps what it built there as
 # rl_engine_C-KEY.so, and EXT_CACHE=folder holding that file installs it (setup.py's
 # RLK_PREBUILT_EXTENSION) instead of building. KEY hashes the content of every file under csrc/
@@ -87,12 +93,44 @@ PY
 
 ext_suffix() { "$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))'; }
 
-prepare() {  # the GPUs' names, the carried wheels, the sm_90a build
+source_commit() {  # HEAD := SOURCE_BUNDLE's HEAD, where the tracked files are that commit's
+  git fetch -q "$SOURCE_BUNDLE" HEAD || return 1
+  # The files against that commit's own index (this checkout's index is older's: it would miss files
+  # the commit added).
+  local index
+  index=$(mktemp)
+  GIT_INDEX_FILE=$index git read-tree FETCH_HEAD && GIT_INDEX_FILE=$index git update-index -q --refresh
+  if ! GIT_INDEX_FILE=$index git diff --quiet; then
+    rm -f "$index"
+    echo "SOURCE_BUNDLE=$SOURCE_BUNDLE: the tree differs from its commit $(git rev-parse FETCH_HEAD);" \
+      "make the bundle from the commit the tree was copied from" >&2
+    return 1
+  fi
+  rm -f "$index"
+  git reset -q FETCH_HEAD
+}
+
+prebuilt() {  # installs EXT_PREBUILT, a build of HEAD (its name says which commit)
+  local name so="$WORK/rl_engine_C-prebuilt.so"
+  name=$(basename "$EXT_PREBUILT")
+  if [[ $name != "rl_engine_C-$(git rev-parse --short=12 HEAD).so"* ]]; then
+    echo "EXT_PREBUILT=$EXT_PREBUILT is not a build of HEAD $(git rev-parse --short=12 HEAD);" \
+      "build it with benchmarks/device_ext.sh from that commit" >&2
+    return 1
+  fi
+  if [[ $name == *.gz ]]; then gunzip -c "$EXT_PREBUILT" >"$so" || return 1; else cp "$EXT_PREBUILT" "$so"; fi
+  step build 120 env RLK_PREBUILT_EXTENSION="$so" "$PY" -m pip install -q --no-deps \
+    --no-build-isolation -e .
+}
+
+prepare() {  # the commit, the GPUs' names, the carried wheels, the sm_90a build
+  if [[ -n "${SOURCE_BUNDLE:-}" ]]; then source_commit || exit 1; fi
   nvidia-smi --query-gpu=name,memory.total --format=csv >"$OUT/gpus.csv" 2>&1
   if [[ -n "${WHEELS:-}" ]]; then
     step wheels 120 bash -c "$PY -m pip install -q --no-deps $WHEELS/*.whl" || exit 1
   fi
   [[ -z "${SKIP_BUILD:-}" ]] || return 0
+  if [[ -n "${EXT_PREBUILT:-}" ]]; then prebuilt || exit 1; return 0; fi
   local key built
   key=$(ext_key) || exit 1
   built="${EXT_CACHE:-/nonexistent}/rl_engine_C-$key.so"

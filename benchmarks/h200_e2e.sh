@@ -11,8 +11,8 @@
 #
 #     OUT=h200-results bash benchmarks/h200_e2e.sh
 #
-# ARCHIVE=, WHEELS=, STEPS=, EXT_OUT=, EXT_CACHE= and DEVICE=cpu PRESET=tiny SKIP_BUILD=1: see
-# benchmarks/gpu_steps.sh.
+# ARCHIVE=, WHEELS=, STEPS=, EXT_OUT=, EXT_CACHE=, EXT_PREBUILT=, SOURCE_BUNDLE= and DEVICE=cpu
+# PRESET=tiny SKIP_BUILD=1: see benchmarks/gpu_steps.sh.
 cd "$(dirname "$0")/.."
 source benchmarks/gpu_steps.sh
 PRESET="${PRESET:-small}"

@@ -21,9 +21,9 @@
 #
 #     OUT=h200-multi GPUS=4 bash benchmarks/h200_multi.sh
 #
-# ARCHIVE=, WHEELS=, STEPS=, EXT_OUT=, EXT_CACHE= and DEVICE=cpu SKIP_BUILD=1: see
-# benchmarks/gpu_steps.sh (on the CPU a GPU is a rank process; PRESETS="tiny" keeps the runs small
-# there).
+# ARCHIVE=, WHEELS=, STEPS=, EXT_OUT=, EXT_CACHE=, EXT_PREBUILT=, SOURCE_BUNDLE= and DEVICE=cpu
+# SKIP_BUILD=1: see benchmarks/gpu_steps.sh (on the CPU a GPU is a rank process; PRESETS="tiny"
+# keeps the runs small there).
 cd "$(dirname "$0")/.."
 source benchmarks/gpu_steps.sh
 # The GPUs this process may use (CUDA_VISIBLE_DEVICES counts), unless GPUS says.

@@ -1,10 +1,12 @@
 """benchmarks/gpu_steps.sh reuses a built extension only for the sources it was built from: the key
 follows the content of every file under csrc/ and include/ and setup.py (no git needed), a
 cached file becomes an editable install without a compiler run, and a tree with no cached build of
-its own falls through to building."""
+its own falls through to building; a bundle names the commit a copied tree is, and a build made
+elsewhere is installed only for that commit."""
 
 from __future__ import annotations
 
+import gzip
 import shutil
 import subprocess
 import sys
@@ -106,3 +108,58 @@ def test_a_tree_without_its_cached_build_is_built(tmp_path):
     if torch.version.cuda is None:  # with a CUDA torch it compiles this tree's stub kernel, and fails there
         assert "RLK_BUILD_CUDA=1 but no CUDA torch" in (tmp_path / "out" / "build.log").read_text()
     assert not (repo / "rl_engine" / f"_C{SUFFIX}").exists()
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
+def device_copy(tmp_path: Path) -> tuple[Path, Path, str]:
+    """A checkout whose history stops one commit before the tree it holds (as the GPU machine's
+    copy does), and a bundle of that later commit, made in the developer's clone."""
+    repo = tree(tmp_path)
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "older")
+    dev = tmp_path / "dev"
+    subprocess.run(["git", "clone", "-q", str(repo), str(dev)], check=True)
+    (dev / "csrc" / "op.cu").write_text("the kernel as measured\n")
+    git(dev, "commit", "-q", "-am", "newer")
+    git(dev, "bundle", "create", "-q", str(tmp_path / "source.bundle"), "HEAD")
+    shutil.copy(dev / "csrc" / "op.cu", repo / "csrc" / "op.cu")
+    return repo, tmp_path / "source.bundle", git(dev, "rev-parse", "HEAD")
+
+
+def test_a_source_bundle_names_the_commit_the_tree_is(tmp_path):
+    repo, bundle, newer = device_copy(tmp_path)
+    done = steps(repo, python_env(tmp_path), "source_commit", SOURCE_BUNDLE=str(bundle))
+    assert done.returncode == 0, done.stderr
+    assert git(repo, "rev-parse", "HEAD") == newer
+    assert git(repo, "status", "--porcelain", "--untracked-files=no") == ""
+
+
+def test_a_source_bundle_of_another_tree_is_refused(tmp_path):
+    repo, bundle, _ = device_copy(tmp_path)
+    (repo / "csrc" / "op.cu").write_text("not what was committed\n")
+    older = git(repo, "rev-parse", "HEAD")
+    done = steps(repo, python_env(tmp_path), "source_commit", SOURCE_BUNDLE=str(bundle))
+    assert done.returncode == 1
+    assert "the tree differs from its commit" in done.stderr
+    assert git(repo, "rev-parse", "HEAD") == older
+
+
+def test_a_prebuilt_extension_of_head_is_installed_and_another_is_refused(tmp_path):
+    repo, bundle, newer = device_copy(tmp_path)
+    python = python_env(tmp_path)
+    stale = tmp_path / "rl_engine_C-000000000000.so.gz"
+    stale.write_bytes(gzip.compress(b"an older build"))
+    done = steps(repo, python, "source_commit && prebuilt", SOURCE_BUNDLE=str(bundle), EXT_PREBUILT=str(stale))
+    assert done.returncode == 1
+    assert f"is not a build of HEAD {newer[:12]}" in done.stderr
+    assert not (repo / "rl_engine" / f"_C{SUFFIX}").exists()
+    fresh = tmp_path / f"rl_engine_C-{newer[:12]}.so.gz"
+    fresh.write_bytes(gzip.compress(b"built elsewhere for this commit"))
+    done = steps(repo, python, "prebuilt", EXT_PREBUILT=str(fresh))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (repo / "rl_engine" / f"_C{SUFFIX}").read_bytes() == b"built elsewhere for this commit"
