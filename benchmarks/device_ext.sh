@@ -33,7 +33,8 @@ command -v "$py" >/dev/null || { echo "device_ext: no $py (set DEVICE_PYTHON)" >
 [[ -x $venv/bin/python ]] || "$py" -m venv "$venv"
 "$venv/bin/python" -m pip install -q "torch==$torch_version" numpy setuptools ninja
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-headers=$(ls -d "$site"/nvidia/cu*/include | head -n 1)
+headers=$(ls -d "$site"/nvidia/cu*/include 2>/dev/null | head -n 1 || true)
+[[ -n $headers ]] || { echo "device_ext: torch $torch_version brought no CUDA headers (nvidia/cu*/include)" >&2; exit 2; }
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -114,8 +114,9 @@ prebuilt() {  # installs EXT_PREBUILT, a build of HEAD (its name says which comm
   local name so="$WORK/rl_engine_C-prebuilt.so"
   name=$(basename "$EXT_PREBUILT")
   if [[ $name != "rl_engine_C-$(git rev-parse --short=12 HEAD).so"* ]]; then
-    echo "EXT_PREBUILT=$EXT_PREBUILT is not a build of HEAD $(git rev-parse --short=12 HEAD);" \
-      "build it with benchmarks/device_ext.sh from that commit" >&2
+    echo "EXT_PREBUILT=$EXT_PREBUILT is not a build of HEAD $(git rev-parse --short=12 HEAD):" \
+      "pass SOURCE_BUNDLE= too where this checkout's history stops before its files," \
+      "or build HEAD with benchmarks/device_ext.sh" >&2
     return 1
   fi
   if [[ $name == *.gz ]]; then gunzip -c "$EXT_PREBUILT" >"$so" || return 1; else cp "$EXT_PREBUILT" "$so"; fi
