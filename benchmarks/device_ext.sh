@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the sm_90a extension of HEAD on a machine without a GPU, for the GPU machine's Python and
 # torch, so that a GPU run installs it in seconds instead of compiling it there (455 s of device
-# time on the H200 machine's 16 cores; 9 minutes on a 2-core machine, MAX_JOBS=1):
+# time on the H200 machine's 16 cores; 8 min 41 s on a 2-core machine with MAX_JOBS=1, the test
+# suite running beside it; MAX_JOBS defaults to every core):
 #
 #     bash benchmarks/device_ext.sh DIR
 #
@@ -16,7 +17,7 @@
 # own CUDA packages; the driver library, which no machine without a GPU has, from a stub that only
 # satisfies `-lcuda` at link time (the extension reaches the driver through the runtime).
 set -euo pipefail
-dir=${1:?usage: bash benchmarks/device_ext.sh DIR}
+dir=$(realpath -m "${1:?usage: bash benchmarks/device_ext.sh DIR}")
 root=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
 cd "$root"
 if [[ -n "$(git status --porcelain --untracked-files=no)" ]]; then
@@ -29,12 +30,17 @@ venv=${DEVICE_VENV:-$root/.state/device-venv}
 cuda=${CUDA_HOME:-/usr/local/cuda}
 command -v "$py" >/dev/null || { echo "device_ext: no $py (set DEVICE_PYTHON)" >&2; exit 2; }
 [[ -x $cuda/bin/nvcc ]] || { echo "device_ext: no nvcc under CUDA_HOME=$cuda" >&2; exit 2; }
+command -v cc >/dev/null || { echo "device_ext: no cc for the driver stub" >&2; exit 2; }
 
 [[ -x $venv/bin/python ]] || "$py" -m venv "$venv"
 "$venv/bin/python" -m pip install -q "torch==$torch_version" numpy setuptools ninja
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-headers=$(ls -d "$site"/nvidia/cu*/include 2>/dev/null | head -n 1 || true)
-[[ -n $headers ]] || { echo "device_ext: torch $torch_version brought no CUDA headers (nvidia/cu*/include)" >&2; exit 2; }
+# CUDA 13 wheels put every library's headers in nvidia/cu13/include, CUDA 12 ones one folder each.
+headers=$(find "$site/nvidia" -maxdepth 3 -type d -name include 2>/dev/null | sort | paste -sd: -)
+if [[ -z $headers ]]; then
+  echo "device_ext: torch $torch_version brought no CUDA headers (nvidia/*/include)" >&2
+  exit 2
+fi
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -48,7 +54,7 @@ cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$work/stub/libcuda.so" "$work/stub
 
 commit=$(git rev-parse --short=12 HEAD)
 mkdir -p "$dir"
-gzip -c "$work/src"/rl_engine/_C*.so >"$dir/rl_engine_C-$commit.so.gz.tmp"
-mv "$dir/rl_engine_C-$commit.so.gz.tmp" "$dir/rl_engine_C-$commit.so.gz"
+gzip -c "$work/src"/rl_engine/_C*.so >"$work/built.so.gz"
+mv "$work/built.so.gz" "$dir/rl_engine_C-$commit.so.gz"
 git bundle create -q "$dir/source.bundle" HEAD
 echo "device_ext: $dir/rl_engine_C-$commit.so.gz and $dir/source.bundle (HEAD $commit)"

@@ -99,11 +99,16 @@ source_commit() {  # HEAD := SOURCE_BUNDLE's HEAD, where the tracked files are t
   # the commit added).
   local index
   index=$(mktemp)
-  GIT_INDEX_FILE=$index git read-tree FETCH_HEAD && GIT_INDEX_FILE=$index git update-index -q --refresh
-  if ! GIT_INDEX_FILE=$index git diff --quiet; then
+  if ! GIT_INDEX_FILE=$index git read-tree FETCH_HEAD; then
     rm -f "$index"
-    echo "SOURCE_BUNDLE=$SOURCE_BUNDLE: the tree differs from its commit $(git rev-parse FETCH_HEAD);" \
-      "make the bundle from the commit the tree was copied from" >&2
+    return 1
+  fi
+  GIT_INDEX_FILE=$index git update-index -q --refresh >/dev/null
+  if ! GIT_INDEX_FILE=$index git diff --quiet; then
+    echo "SOURCE_BUNDLE=$SOURCE_BUNDLE: the tree differs from its commit" \
+      "$(git rev-parse FETCH_HEAD); make the bundle from the commit the tree was copied from:" >&2
+    GIT_INDEX_FILE=$index git diff --stat >&2
+    rm -f "$index"
     return 1
   fi
   rm -f "$index"
@@ -119,7 +124,11 @@ prebuilt() {  # installs EXT_PREBUILT, a build of HEAD (its name says which comm
       "or build HEAD with benchmarks/device_ext.sh" >&2
     return 1
   fi
-  if [[ $name == *.gz ]]; then gunzip -c "$EXT_PREBUILT" >"$so" || return 1; else cp "$EXT_PREBUILT" "$so"; fi
+  if [[ $name == *.gz ]]; then
+    gunzip -c "$EXT_PREBUILT" >"$so" || return 1
+  else
+    cp "$EXT_PREBUILT" "$so" || return 1
+  fi
   step build 120 env RLK_PREBUILT_EXTENSION="$so" "$PY" -m pip install -q --no-deps \
     --no-build-isolation -e .
 }

@@ -13,6 +13,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,9 +126,12 @@ def device_copy(tmp_path: Path) -> tuple[Path, Path, str]:
     dev = tmp_path / "dev"
     subprocess.run(["git", "clone", "-q", str(repo), str(dev)], check=True)
     (dev / "csrc" / "op.cu").write_text("the kernel as measured\n")
-    git(dev, "commit", "-q", "-am", "newer")
+    (dev / "csrc" / "added.cu").write_text("a kernel the older commit lacks\n")
+    git(dev, "add", "-A")
+    git(dev, "commit", "-q", "-m", "newer")
     git(dev, "bundle", "create", "-q", str(tmp_path / "source.bundle"), "HEAD")
-    shutil.copy(dev / "csrc" / "op.cu", repo / "csrc" / "op.cu")
+    for name in ("op.cu", "added.cu"):
+        shutil.copy(dev / "csrc" / name, repo / "csrc" / name)
     return repo, tmp_path / "source.bundle", git(dev, "rev-parse", "HEAD")
 
 
@@ -139,13 +143,18 @@ def test_a_source_bundle_names_the_commit_the_tree_is(tmp_path):
     assert git(repo, "status", "--porcelain", "--untracked-files=no") == ""
 
 
-def test_a_source_bundle_of_another_tree_is_refused(tmp_path):
+@pytest.mark.parametrize("change", ["edited", "missing"])
+def test_a_source_bundle_of_another_tree_is_refused(tmp_path, change):
     repo, bundle, _ = device_copy(tmp_path)
-    (repo / "csrc" / "op.cu").write_text("not what was committed\n")
+    if change == "edited":
+        (repo / "csrc" / "op.cu").write_text("not what was committed\n")
+    else:  # a file the newer commit added, which the older index does not know
+        (repo / "csrc" / "added.cu").unlink()
     older = git(repo, "rev-parse", "HEAD")
     done = steps(repo, python_env(tmp_path), "source_commit", SOURCE_BUNDLE=str(bundle))
     assert done.returncode == 1
     assert "the tree differs from its commit" in done.stderr
+    assert ("op.cu" if change == "edited" else "added.cu") in done.stderr
     assert git(repo, "rev-parse", "HEAD") == older
 
 
