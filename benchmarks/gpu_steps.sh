@@ -129,7 +129,11 @@ prebuilt() {  # installs EXT_PREBUILT, a build of HEAD (its name says which comm
   else
     cp "$EXT_PREBUILT" "$so" || return 1
   fi
-  step build 120 env RLK_PREBUILT_EXTENSION="$so" "$PY" -m pip install -q --no-deps \
+  install_built "$so"
+}
+
+install_built() {  # install_built FILE: an editable install as the build makes it, no compiler run
+  step build 120 env RLK_PREBUILT_EXTENSION="$1" "$PY" -m pip install -q --no-deps \
     --no-build-isolation -e .
 }
 
@@ -144,9 +148,8 @@ prepare() {  # the commit, the GPUs' names, the carried wheels, the sm_90a build
   local key built
   key=$(ext_key) || exit 1
   built="${EXT_CACHE:-/nonexistent}/rl_engine_C-$key.so"
-  if [[ -f "$built" ]]; then  # an editable install as the build makes it, the compiler not run
-    step build 120 env RLK_PREBUILT_EXTENSION="$built" "$PY" -m pip install -q --no-deps \
-      --no-build-isolation -e . || exit 1
+  if [[ -f "$built" ]]; then
+    install_built "$built" || exit 1
     return 0
   fi
   step build 480 env MAX_JOBS=16 RLK_BUILD_CUDA=1 "$PY" -m pip install -q --no-deps \
