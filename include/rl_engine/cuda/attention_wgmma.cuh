@@ -225,22 +225,35 @@ __global__ void __launch_bounds__(WgFwd<D, BN>::kThreads, 1)
   // o *= alpha_j, then o += P_j . V_j. The first block is peeled off the loop and the last P . V
   // follows it, so that no wgmma sits on a branch (the compiler would serialize them all).
   uint32_t pa[BN / 16][4];  // P of the previous block, whose P . V is issued with this block's scores
-  // Scores of block j from stage s, into sc.
-  auto scores = [&](int j, int s, float (&sc)[BN / 8][4]) {
+  // Waits for block j in stage s.
+  auto arrived = [&](int j, int s) {
     ptx::mbar_wait(rb.full(s), (j / C::kStages) & 1);
-    const uint32_t kt = k_tile(s);
     if ((j + 1) * BN > klen) {
       // Keys past the sequence are masked, but the copy read whatever follows it (the next
       // sequence); zero those V rows so that 0 * V adds exactly zero even for inf or NaN there.
-      zero_rows<D, BN>(kt + C::kTileBytes, klen - j * BN, tid);
+      zero_rows<D, BN>(k_tile(s) + C::kTileBytes, klen - j * BN, tid);
       ptx::fence_proxy_async_smem();
       ptx::named_bar_sync(1 + c, 128);
     }
+  };
+  // Issues the scores of the block in stage s, into sc.
+  auto scores = [&](int s, float (&sc)[BN / 8][4]) {
     zero_tiles(sc);
     ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) kmajor_step<BN, kHalf>(sc, q_rows, kFwdRows * 128, kt, BN * 128, kk);
+    for (int kk = 0; kk < D / 16; ++kk) kmajor_step<BN, kHalf>(sc, q_rows, kFwdRows * 128, k_tile(s), BN * 128, kk);
     ptx::wgmma_commit();
+  };
+  // The two warpgroups take turns to issue their products (named barriers 3 and 4, warpgroup 0
+  // first): one warpgroup's products run on the tensor cores while the other exponentiates, where
+  // both would otherwise issue at once and then both wait. Each warpgroup takes nblocks + 1 turns,
+  // the ones past its own rows empty, so that the turns pair up; warpgroup 1 hands none on after
+  // its last. Only when each warpgroup issues changes, never what.
+  int turns = 0;
+  auto take_turn = [&] { ptx::named_bar_sync(3 + c, 256); };
+  auto pass_turn = [&] {
+    if (c == 0 || turns < nblocks) ptx::named_bar_arrive(3 + (c ^ 1), 256);
+    ++turns;
   };
   auto issue_pv = [&](int s) {
 #pragma unroll
@@ -267,9 +280,13 @@ __global__ void __launch_bounds__(WgFwd<D, BN>::kThreads, 1)
   // The warpgroup computes blocks [0, mine); the rest of the walk is past its rows.
   auto overlapped_walk = [&] {
     const int mine = wg_last < 0 ? 0 : min(nblocks, wg_last / BN + 1);
+    if (c == 1) ptx::named_bar_arrive(3, 256);  // warpgroup 0 takes the first turn
     if (mine > 0) {
       float sc[BN / 8][4], alpha[2];
-      scores(0, 0, sc);
+      arrived(0, 0);
+      take_turn();
+      scores(0, sc);
+      pass_turn();
       ptx::wgmma_wait<0>();
       softmax(0, sc, alpha);
       rescale_output(st[0].o, alpha);
@@ -277,8 +294,11 @@ __global__ void __launch_bounds__(WgFwd<D, BN>::kThreads, 1)
       for (int kk = 0; kk < BN / 16; ++kk) c_to_a<T>(pa[kk], sc, kk);
       for (int j = 1; j < mine; ++j) {
         const int s = j % C::kStages, prev = (j - 1) % C::kStages;
-        scores(j, s, sc);
+        arrived(j, s);
+        take_turn();
+        scores(s, sc);
         issue_pv(prev);
+        pass_turn();
         ptx::wgmma_wait<1>();  // the scores; P . V of the previous block may still run
         softmax(j, sc, alpha);
         ptx::wgmma_wait<0>();
@@ -287,15 +307,25 @@ __global__ void __launch_bounds__(WgFwd<D, BN>::kThreads, 1)
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) c_to_a<T>(pa[kk], sc, kk);
       }
+      take_turn();
       ptx::wgmma_fence();
       issue_pv((mine - 1) % C::kStages);
+      pass_turn();
       ptx::wgmma_wait<0>();
       land_pv((mine - 1) % C::kStages);
     }
+    // Blocks past this warpgroup's rows: each is given back as it arrives, with one empty turn, so
+    // that the other warpgroup's turns never wait on a stage this one holds.
     for (int j = mine; j < nblocks; ++j) {
       const int s = j % C::kStages;
       ptx::mbar_wait(rb.full(s), (j / C::kStages) & 1);
       if (tid == 0) ptx::mbar_arrive(rb.empty(s));
+      take_turn();
+      pass_turn();
+    }
+    if (turns <= nblocks) {  // no block of its own: the turn of the last P . V
+      take_turn();
+      pass_turn();
     }
   };
 
