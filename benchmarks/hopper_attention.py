@@ -7,9 +7,11 @@ median rl_engine time. Paged decode (batch 64, 4k context, page 16, shuffled pag
 K and V read (plus q and out) over time, against the 4.8 TB/s datasheet figure and the measured
 device-to-device copy; SDPA decode runs on contiguous KV for comparison. CUDA events, warm-up,
 median of --repeats. `met` says which of the targets (TARGETS) every row reaches; the JSON records
-the commit it measured (provenance.py).
+the commit it measured (provenance.py). --kv-block-size (the keys a block, and the backward's query
+chunk) defaults to the project's KV_BLOCK_SIZE: the one a model runs with.
 
-    python benchmarks/hopper_attention.py [--out results.json] [--repeats 20] [--commit C --dirty 0]
+    python benchmarks/hopper_attention.py [--out results.json] [--repeats 20] [--kv-block-size 64]
+        [--commit C --dirty 0]
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import rl_engine.ops  # noqa: F401  (loads the extension and its fake kernels)
+from rl_engine.artifacts.files import write_text
 from rl_engine.ops import _lib
+from rl_engine.ops.attention import KV_BLOCK_SIZE
 from provenance import add_source_args, source_of
 
 RESULT = Path(__file__).resolve().parent / "results" / "hopper_attention.json"
-HQ, HKV, BLOCK, PAGE = 32, 8, 64, 16
+HQ, HKV, PAGE = 32, 8, 16
 HEAD_DIMS = (128, 64)
 DATASHEET_TBS = 4.8
 # Against SDPA in the same run: forward and backward time ratios, paged decode in TB/s read.
@@ -72,17 +76,17 @@ def best_sdpa(make_call, repeats):
     return best
 
 
-def prefill(ops, t, D, repeats):
+def prefill(ops, t, D, block, repeats):
     dev, dt = "cuda", torch.bfloat16
     q, k, v = (torch.randn(t, h, D, device=dev).to(dt) for h in (HQ, HKV, HKV))
     do = torch.randn(t, HQ, D, device=dev).to(dt)
     cu = torch.tensor([0, t], dtype=torch.int32, device=dev)
     pos = torch.arange(t, device=dev)
     scale = D ** -0.5
-    out, lse = ops.attention_fwd(q, k, v, cu, cu, pos, scale, BLOCK)
-    r_fwd = median_ms(lambda: ops.attention_fwd(q, k, v, cu, cu, pos, scale, BLOCK), repeats)
-    r_bwd = median_ms(lambda: ops.attention_bwd(do, q, k, v, out, lse, cu, cu, pos, scale, BLOCK,
-                                                BLOCK), repeats)
+    out, lse = ops.attention_fwd(q, k, v, cu, cu, pos, scale, block)
+    r_fwd = median_ms(lambda: ops.attention_fwd(q, k, v, cu, cu, pos, scale, block), repeats)
+    r_bwd = median_ms(lambda: ops.attention_bwd(do, q, k, v, out, lse, cu, cu, pos, scale, block,
+                                                block), repeats)
 
     def heads(x, gqa, grad=True):  # [T, H, D] -> [1, H', T, D], GQA expanded unless SDPA groups
         x = x if gqa or x.shape[1] == HQ else x.repeat_interleave(HQ // HKV, dim=1)
@@ -110,7 +114,7 @@ def prefill(ops, t, D, repeats):
                 out_rel_err_vs_sdpa=rel(out, p_out[0].transpose(0, 1)))
 
 
-def decode(ops, D, repeats, batch=64, context=4096):
+def decode(ops, D, block, repeats, batch=64, context=4096):
     dev, dt = "cuda", torch.bfloat16
     pages = batch * context // PAGE
     k_cache = torch.randn(pages, PAGE, HKV, D, device=dev).to(dt)
@@ -119,8 +123,8 @@ def decode(ops, D, repeats, batch=64, context=4096):
     lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
     q = torch.randn(batch, HQ, D, device=dev).to(dt)
     scale = D ** -0.5
-    out, _ = ops.attention_decode(q, k_cache, v_cache, table, lens, scale, BLOCK)
-    r_ms = median_ms(lambda: ops.attention_decode(q, k_cache, v_cache, table, lens, scale, BLOCK),
+    out, _ = ops.attention_decode(q, k_cache, v_cache, table, lens, scale, block)
+    r_ms = median_ms(lambda: ops.attention_decode(q, k_cache, v_cache, table, lens, scale, block),
                      repeats)
     # The same keys contiguous per sequence for SDPA: [B, Hkv, context, D].
     flat = table.long().view(-1)
@@ -150,11 +154,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=RESULT)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--kv-block-size", type=int, default=KV_BLOCK_SIZE, choices=(16, 32, 64, 128),
+                    help="keys a block (and query rows a backward chunk); a multiple of the page, 16")
     add_source_args(ap)
     args = ap.parse_args()
     ops = _lib.ops()
-    rows = [prefill(ops, t, d, args.repeats) for d in HEAD_DIMS for t in (4096, 8192)]
-    dec = [decode(ops, d, args.repeats) for d in HEAD_DIMS]
+    block = args.kv_block_size
+    rows = [prefill(ops, t, d, block, args.repeats) for d in HEAD_DIMS for t in (4096, 8192)]
+    dec = [decode(ops, d, block, args.repeats) for d in HEAD_DIMS]
     met = {"forward_ratio": min(r["forward_ratio"] for r in rows) >= TARGETS["forward_ratio"],
            "backward_ratio": min(r["backward_ratio"] for r in rows) >= TARGETS["backward_ratio"],
            "decode_tbs": min(r["r_tbs"] for r in dec) >= TARGETS["decode_tbs"]}
@@ -167,12 +174,11 @@ def main():
                            "keys, 64-row query steps, chunk partials added in chunk order); paged "
                            "decode on mma.sync, each block's scores, softmax and P.V done once, "
                            "spread over D/16 warps, pages looked up a block ahead"),
-                  shape=dict(hq=HQ, hkv=HKV, head_dims=HEAD_DIMS, kv_block_size=BLOCK, q_chunk_size=BLOCK),
+                  shape=dict(hq=HQ, hkv=HKV, head_dims=HEAD_DIMS, kv_block_size=block, q_chunk_size=block),
                   ratio="median SDPA time / median rl_engine time (above 1: rl_engine faster)",
                   copy_tbs=copy_tbs(args.repeats), datasheet_tbs=DATASHEET_TBS,
                   prefill=rows, decode=dec, targets=TARGETS, met=met)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_text(args.out, json.dumps(result, indent=1) + "\n")
     print(f"{'D':>4} {'T':>6} {'fwd ms':>8} {'sdpa':>8} {'ratio':>6} {'bwd ms':>8} {'sdpa':>8} {'ratio':>6}")
     for r in rows:
         print(f"{r['head_dim']:>4} {r['tokens']:>6} {r['r_fwd_ms']:8.3f} {r['p_fwd_ms']:8.3f} {r['forward_ratio']:6.2f} "
