@@ -4,7 +4,7 @@ backend measured in the same process (bf16, causal, 32 query / 8 KV heads, head_
 Prefill forward and backward at 4k and 8k tokens (one sequence): TFLOP/s counted as causal
 (half of 4 T^2 D H for the forward, 2.5 times that for the backward) and ratio = median SDPA time /
 median rl_engine time. Paged decode (batch 64, 4k context, page 16, shuffled page table): bytes of
-K and V read (plus q and out) over time, against the 4.8 TB/s datasheet figure and the measured
+K and V read (plus q and out) over time, against the card's datasheet HBM figure and the measured
 device-to-device copy; SDPA decode runs on contiguous KV for comparison. CUDA events, warm-up,
 median of --repeats. `met` says which of the targets (TARGETS) every row reaches; the JSON records
 the commit it measured (provenance.py). --kv-block-size (the keys a block, and the backward's query
@@ -29,12 +29,12 @@ import rl_engine.ops  # noqa: F401  (loads the extension and its fake kernels)
 from rl_engine.artifacts.files import write_text
 from rl_engine.ops import _lib
 from rl_engine.ops.attention import KV_BLOCK_SIZE
+from hopper_targets import datasheet_tbs
 from provenance import add_source_args, source_of
 
 RESULT = Path(__file__).resolve().parent / "results" / "hopper_attention.json"
 HQ, HKV, PAGE = 32, 8, 16
 HEAD_DIMS = (128, 64)
-DATASHEET_TBS = 4.8
 # Against SDPA in the same run: forward and backward time ratios, paged decode in TB/s read.
 TARGETS = {"forward_ratio": 0.9, "backward_ratio": 0.75, "decode_tbs": 3.6}
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
@@ -114,7 +114,7 @@ def prefill(ops, t, D, block, repeats):
                 out_rel_err_vs_sdpa=rel(out, p_out[0].transpose(0, 1)))
 
 
-def decode(ops, D, block, repeats, batch=64, context=4096):
+def decode(ops, D, block, hbm_tbs, repeats, batch=64, context=4096):
     dev, dt = "cuda", torch.bfloat16
     pages = batch * context // PAGE
     k_cache = torch.randn(pages, PAGE, HKV, D, device=dev).to(dt)
@@ -140,7 +140,7 @@ def decode(ops, D, block, repeats, batch=64, context=4096):
     p_name, p_ms, p_out = best_sdpa(call, repeats)
     nbytes = 2 * batch * context * HKV * D * 2 + 2 * batch * HQ * D * 2
     return dict(head_dim=D, batch=batch, context=context, page_size=PAGE, bytes=nbytes, r_ms=r_ms,
-                r_tbs=nbytes / r_ms / 1e9, hbm_fraction=nbytes / r_ms / 1e9 / DATASHEET_TBS,
+                r_tbs=nbytes / r_ms / 1e9, hbm_fraction=nbytes / r_ms / 1e9 / hbm_tbs,
                 p_ms=p_ms, p_backend=p_name, p_tbs=nbytes / p_ms / 1e9,
                 out_rel_err_vs_sdpa=rel(out, p_out[:, :, 0]))
 
@@ -158,10 +158,11 @@ def main():
                     help="keys a block (and query rows a backward chunk); a multiple of the page, 16")
     add_source_args(ap)
     args = ap.parse_args()
+    hbm_tbs = datasheet_tbs(torch.cuda.get_device_name())
     ops = _lib.ops()
     block = args.kv_block_size
     rows = [prefill(ops, t, d, block, args.repeats) for d in HEAD_DIMS for t in (4096, 8192)]
-    dec = [decode(ops, d, block, args.repeats) for d in HEAD_DIMS]
+    dec = [decode(ops, d, block, hbm_tbs, args.repeats) for d in HEAD_DIMS]
     met = {"forward_ratio": min(r["forward_ratio"] for r in rows) >= TARGETS["forward_ratio"],
            "backward_ratio": min(r["backward_ratio"] for r in rows) >= TARGETS["backward_ratio"],
            "decode_tbs": min(r["r_tbs"] for r in dec) >= TARGETS["decode_tbs"]}
@@ -176,7 +177,7 @@ def main():
                            "spread over D/16 warps, pages looked up a block ahead"),
                   shape=dict(hq=HQ, hkv=HKV, head_dims=HEAD_DIMS, kv_block_size=block, q_chunk_size=block),
                   ratio="median SDPA time / median rl_engine time (above 1: rl_engine faster)",
-                  copy_tbs=copy_tbs(args.repeats), datasheet_tbs=DATASHEET_TBS,
+                  copy_tbs=copy_tbs(args.repeats), datasheet_tbs=hbm_tbs,
                   prefill=rows, decode=dec, targets=TARGETS, met=met)
     write_text(args.out, json.dumps(result, indent=1) + "\n")
     print(f"{'D':>4} {'T':>6} {'fwd ms':>8} {'sdpa':>8} {'ratio':>6} {'bwd ms':>8} {'sdpa':>8} {'ratio':>6}")
@@ -187,7 +188,7 @@ def main():
               f"{r['p_bwd_backend']})")
     for r in dec:
         print(f"decode D={r['head_dim']}: {r['r_ms']:.3f} ms {r['r_tbs']:.2f} TB/s ({100 * r['hbm_fraction']:.0f}% "
-              f"of {DATASHEET_TBS}); sdpa {r['p_backend']} {r['p_tbs']:.2f} TB/s")
+              f"of {hbm_tbs}); sdpa {r['p_backend']} {r['p_tbs']:.2f} TB/s")
     print(f"targets {TARGETS}: met {met}")
 
 

@@ -8,6 +8,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("hopper_targets", ROOT / "benchmarks" / "hopper_targets.py")
 hopper_targets = importlib.util.module_from_spec(spec)
@@ -57,3 +59,24 @@ def test_the_committed_result_is_judged_on_every_target():
     got = hopper_targets.judge(result)
     assert set(got) == set(hopper_targets.TARGETS)
     assert all(v["rows"] > 0 and isinstance(v["met"], bool) for v in got.values())
+
+
+def test_the_weight_stream_is_a_share_of_the_card_that_ran():
+    """2.0 TB/s is 42% of an H200's 4.8 but 60% of an H100's 3.35: the result's own datasheet
+    figure decides (results that predate it ran on H200s)."""
+    rows = [gemm("square", 1, 1.0, 2.0)]
+    stream = "det_gemm_weight_stream_hbm_fraction"
+    assert hopper_targets.judge(dict(gemm=rows))[stream]["met"] is False
+    assert hopper_targets.judge(dict(gemm=rows, datasheet_tbs=4.8))[stream]["met"] is False
+    assert hopper_targets.judge(dict(gemm=rows, datasheet_tbs=3.35))[stream]["met"] is True
+
+
+@pytest.mark.parametrize("name, tbs", [("NVIDIA H200", 4.8), ("NVIDIA H100 80GB HBM3", 3.35),
+                                       ("NVIDIA H100 NVL", 3.9), ("NVIDIA H100 PCIe", 2.0)])
+def test_each_card_has_its_own_datasheet_bandwidth(name, tbs):
+    assert hopper_targets.datasheet_tbs(name) == tbs
+
+
+def test_a_card_without_a_datasheet_figure_is_an_error_that_names_the_fix():
+    with pytest.raises(ValueError, match="add it to HBM_TBS"):
+        hopper_targets.datasheet_tbs("NVIDIA A100-SXM4-80GB")
