@@ -27,6 +27,10 @@ PY="${PYTHON:-python3}"
 DEVICE="${DEVICE:-cuda}"
 RLK=("$PY" -m rl_engine.cli)
 mkdir -p "$OUT" "$WORK"
+if [[ -n "${ARCHIVE:-}" && "$(realpath -m "$ARCHIVE")/" == "$(realpath -m "$OUT")/"* ]]; then
+  echo "ARCHIVE=$ARCHIVE is inside OUT=$OUT, which it packs: put it beside OUT" >&2
+  exit 2
+fi
 # No NVLink SHARP multicast anywhere: its in-switch sums have no fixed order.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export RLK_STATE_DIR="$WORK/state" PYTHONUNBUFFERED=1

@@ -172,3 +172,14 @@ def test_a_prebuilt_extension_of_head_is_installed_and_another_is_refused(tmp_pa
     done = steps(repo, python, "prebuilt", EXT_PREBUILT=str(fresh))
     assert done.returncode == 0, done.stdout + done.stderr
     assert (repo / "rl_engine" / f"_C{SUFFIX}").read_bytes() == b"built elsewhere for this commit"
+
+
+def test_an_archive_inside_the_folder_it_packs_is_refused(tmp_path):
+    repo, python = tree(tmp_path), python_env(tmp_path)
+    out = repo.parent / "out"
+    inside = steps(repo, python, "echo sourced", ARCHIVE=str(out / "results.tgz"))
+    assert inside.returncode == 2 and "is inside OUT" in inside.stderr
+    assert "sourced" not in inside.stdout
+    beside = steps(repo, python, "echo sourced; pack", ARCHIVE=str(repo.parent / "results.tgz"))
+    assert beside.returncode == 0 and "sourced" in beside.stdout, beside.stderr
+    assert (repo.parent / "results.tgz").is_file()
