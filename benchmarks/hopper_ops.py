@@ -3,8 +3,9 @@
 Each pair runs in this one process: warm-up, then R and P timed alternately with CUDA events, and a
 ratio is median(P) / median(R) (1.0 = as fast as production, above 1 = faster). Memory-bound ops
 also report bytes moved (inputs read once, outputs written once) over time, against the measured
-device-to-device copy and the card's datasheet HBM figure (hopper_targets.HBM_TBS), at 32768 tokens. Shapes are Qwen3-8B-like
-(bf16, hidden 4096, 32 query heads of 128, intermediate 12288, vocab 151936).
+device-to-device copy and the card's datasheet HBM figure (hopper_targets.HBM_TBS), at 32768
+tokens. Shapes are Qwen3-8B-like (bf16, hidden 4096, 32 query heads of 128, intermediate 12288,
+vocab 151936).
 
     python benchmarks/hopper_ops.py [--out results.json] [--repeats 15] [--quick]
                                     [--sections gemm,memory,logp]

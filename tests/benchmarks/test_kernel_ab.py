@@ -99,9 +99,15 @@ def test_a_build_for_other_sources_base_or_cases_is_refused(tmp_path):
     stale = kernel_ab(repo, "HEAD", "attn", **run)
     assert stale.returncode == 2 and "from this tree's" in stale.stderr
 
-    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-am", "kernel change")
-    other_base = kernel_ab(repo, "HEAD", "attn", **run)  # HEAD is now the changed commit
-    assert other_base.returncode == 2 and "was built against" in other_base.stderr
+    # The sources as built again, but a newer commit asked for as the base: only the base differs.
+    (repo / "include" / "k.cuh").write_text("// include/k.cuh\n")
+    assert kernel_ab(repo, "HEAD", "attn", **run).returncode == 0
+    (repo / "README").write_text("not a kernel source\n")
+    git(repo, "add", "README")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "newer base")
+    other_base = kernel_ab(repo, "HEAD", "attn", **run)
+    assert other_base.returncode == 2
+    assert f"not {git(repo, 'rev-parse', 'HEAD')}" in other_base.stderr
 
 
 def test_wrong_arguments_say_what_is_wrong(tmp_path):
