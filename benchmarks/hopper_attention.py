@@ -7,8 +7,9 @@ median rl_engine time. Paged decode (batch 64, 4k context, page 16, shuffled pag
 K and V read (plus q and out) over time, against the card's datasheet HBM figure and the measured
 device-to-device copy; SDPA decode runs on contiguous KV for comparison. CUDA events, warm-up,
 median of --repeats. `met` says which of the targets (TARGETS) every row reaches; the JSON records
-the commit it measured (provenance.py). --kv-block-size (the keys a block, and the backward's query
-chunk) defaults to the project's KV_BLOCK_SIZE: the one a model runs with.
+the commit it measured (provenance.py). Each head_dim runs with the block a model of it runs with
+(kv_block_size: 128 keys at head_dim 128, 64 at 64), and the backward's query chunks with the same;
+--kv-block-size times every head_dim at one other size instead.
 
     python benchmarks/hopper_attention.py [--out results.json] [--repeats 20] [--kv-block-size 64]
         [--commit C --dirty 0]
@@ -28,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import rl_engine.ops  # noqa: F401  (loads the extension and its fake kernels)
 from rl_engine.artifacts.files import write_text
 from rl_engine.ops import _lib
-from rl_engine.ops.attention import KV_BLOCK_SIZE
+from rl_engine.ops.attention import kv_block_size
 from hopper_targets import datasheet_tbs
 from provenance import add_source_args, source_of
 
@@ -106,8 +107,8 @@ def prefill(ops, t, D, block, repeats):
     p_fwd_name, p_fwd, p_out = best_sdpa(fwd_call, repeats)
     p_bwd_name, p_bwd, _ = best_sdpa(bwd_call, repeats)
     flop = 2 * t * t * D * HQ  # causal: half of 4 T^2 D H
-    return dict(tokens=t, head_dim=D, r_fwd_ms=r_fwd, p_fwd_ms=p_fwd, p_fwd_backend=p_fwd_name,
-                r_fwd_tflops=flop / r_fwd / 1e9, p_fwd_tflops=flop / p_fwd / 1e9,
+    return dict(tokens=t, head_dim=D, kv_block_size=block, r_fwd_ms=r_fwd, p_fwd_ms=p_fwd,
+                p_fwd_backend=p_fwd_name, r_fwd_tflops=flop / r_fwd / 1e9, p_fwd_tflops=flop / p_fwd / 1e9,
                 forward_ratio=p_fwd / r_fwd, r_bwd_ms=r_bwd, p_bwd_ms=p_bwd, p_bwd_backend=p_bwd_name,
                 r_bwd_tflops=2.5 * flop / r_bwd / 1e9, p_bwd_tflops=2.5 * flop / p_bwd / 1e9,
                 backward_ratio=p_bwd / r_bwd,
@@ -139,8 +140,9 @@ def decode(ops, D, block, hbm_tbs, repeats, batch=64, context=4096):
 
     p_name, p_ms, p_out = best_sdpa(call, repeats)
     nbytes = 2 * batch * context * HKV * D * 2 + 2 * batch * HQ * D * 2
-    return dict(head_dim=D, batch=batch, context=context, page_size=PAGE, bytes=nbytes, r_ms=r_ms,
-                r_tbs=nbytes / r_ms / 1e9, hbm_fraction=nbytes / r_ms / 1e9 / hbm_tbs,
+    return dict(head_dim=D, kv_block_size=block, batch=batch, context=context, page_size=PAGE,
+                bytes=nbytes, r_ms=r_ms, r_tbs=nbytes / r_ms / 1e9,
+                hbm_fraction=nbytes / r_ms / 1e9 / hbm_tbs,
                 p_ms=p_ms, p_backend=p_name, p_tbs=nbytes / p_ms / 1e9,
                 out_rel_err_vs_sdpa=rel(out, p_out[:, :, 0]))
 
@@ -154,15 +156,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=RESULT)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--kv-block-size", type=int, default=KV_BLOCK_SIZE, choices=(16, 32, 64, 128),
-                    help="keys a block (and query rows a backward chunk); a multiple of the page, 16")
+    ap.add_argument("--kv-block-size", type=int, default=None, choices=(16, 32, 64, 128),
+                    help="keys a block (and query rows a backward chunk) at every head_dim, instead "
+                         "of each head_dim's kv_block_size; a multiple of the page, 16")
     add_source_args(ap)
     args = ap.parse_args()
     hbm_tbs = datasheet_tbs(torch.cuda.get_device_name())
     ops = _lib.ops()
-    block = args.kv_block_size
-    rows = [prefill(ops, t, d, block, args.repeats) for d in HEAD_DIMS for t in (4096, 8192)]
-    dec = [decode(ops, d, block, hbm_tbs, args.repeats) for d in HEAD_DIMS]
+    blocks = {d: args.kv_block_size or kv_block_size(d) for d in HEAD_DIMS}
+    rows = [prefill(ops, t, d, blocks[d], args.repeats) for d in HEAD_DIMS for t in (4096, 8192)]
+    dec = [decode(ops, d, blocks[d], hbm_tbs, args.repeats) for d in HEAD_DIMS]
     met = {"forward_ratio": min(r["forward_ratio"] for r in rows) >= TARGETS["forward_ratio"],
            "backward_ratio": min(r["backward_ratio"] for r in rows) >= TARGETS["backward_ratio"],
            "decode_tbs": min(r["r_tbs"] for r in dec) >= TARGETS["decode_tbs"]}
@@ -175,19 +178,21 @@ def main():
                            "keys, 64-row query steps, chunk partials added in chunk order); paged "
                            "decode on mma.sync, each block's scores, softmax and P.V done once, "
                            "spread over D/16 warps, pages looked up a block ahead"),
-                  shape=dict(hq=HQ, hkv=HKV, head_dims=HEAD_DIMS, kv_block_size=block, q_chunk_size=block),
+                  shape=dict(hq=HQ, hkv=HKV, head_dims=HEAD_DIMS,
+                             kv_block_size={str(d): b for d, b in blocks.items()},
+                             q_chunk_size={str(d): b for d, b in blocks.items()}),
                   ratio="median SDPA time / median rl_engine time (above 1: rl_engine faster)",
                   copy_tbs=copy_tbs(args.repeats), datasheet_tbs=hbm_tbs,
                   prefill=rows, decode=dec, targets=TARGETS, met=met)
     write_text(args.out, json.dumps(result, indent=1) + "\n")
-    print(f"{'D':>4} {'T':>6} {'fwd ms':>8} {'sdpa':>8} {'ratio':>6} {'bwd ms':>8} {'sdpa':>8} {'ratio':>6}")
+    print(f"{'D':>4} {'block':>5} {'T':>6} {'fwd ms':>8} {'sdpa':>8} {'ratio':>6} {'bwd ms':>8} {'sdpa':>8} {'ratio':>6}")
     for r in rows:
-        print(f"{r['head_dim']:>4} {r['tokens']:>6} {r['r_fwd_ms']:8.3f} {r['p_fwd_ms']:8.3f} {r['forward_ratio']:6.2f} "
+        print(f"{r['head_dim']:>4} {r['kv_block_size']:>5} {r['tokens']:>6} {r['r_fwd_ms']:8.3f} {r['p_fwd_ms']:8.3f} {r['forward_ratio']:6.2f} "
               f"{r['r_bwd_ms']:8.3f} {r['p_bwd_ms']:8.3f} {r['backward_ratio']:6.2f}  "
               f"({r['r_fwd_tflops']:.0f}/{r['r_bwd_tflops']:.0f} TFLOP/s; sdpa {r['p_fwd_backend']}, "
               f"{r['p_bwd_backend']})")
     for r in dec:
-        print(f"decode D={r['head_dim']}: {r['r_ms']:.3f} ms {r['r_tbs']:.2f} TB/s ({100 * r['hbm_fraction']:.0f}% "
+        print(f"decode D={r['head_dim']} block {r['kv_block_size']}: {r['r_ms']:.3f} ms {r['r_tbs']:.2f} TB/s ({100 * r['hbm_fraction']:.0f}% "
               f"of {hbm_tbs}); sdpa {r['p_backend']} {r['p_tbs']:.2f} TB/s")
     print(f"targets {TARGETS}: met {met}")
 

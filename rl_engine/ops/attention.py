@@ -10,30 +10,48 @@ import torch.nn.functional as F
 
 from rl_engine.ops import _lib
 
-# One KV block size per run, anchored at absolute position 0; backward query chunks use the same
-# size so that context-parallel shards (cut at chunk boundaries) add dK/dV in global chunk order.
-KV_BLOCK_SIZE = 64
 PAGE_SIZE = 16
 
 
+def kv_block_size(head_dim: int) -> int:
+    """The keys of one KV block for a model of this head_dim: the one tile choice that fixes the
+    attention's bits. Blocks are anchored at absolute position 0 and merged in block order, and the
+    backward's query chunks (the context-parallel cut) take the same size, so the rollout and the
+    trainer agree only where both take it from here, as every caller does by default.
+
+    128 keys at head_dim 128 (Qwen3-4B/8B): on an H100 the prefill forward is 9% faster than with 64
+    and the backward 6-8%, the paged decode as fast. 64 below: a head_dim 64 decode CTA with two
+    128-key stages leaves room for three CTAs an SM instead of four, and its decode is 14% slower."""
+    if head_dim < 1:
+        raise ValueError(f"head_dim {head_dim} must be positive")
+    return 128 if head_dim >= 128 else 64
+
+
+def _block(q, given: int | None) -> int:
+    """The block size a call asked for, or the one of q's head_dim (q: [..., head_dim])."""
+    return kv_block_size(q.shape[-1]) if given is None else given
+
+
 def det_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, q_positions, scale: float,
-                  kv_block_size: int = KV_BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
-    """out, lse of causal attention; query i sees keys 0..q_positions[i] of its sequence."""
+                  kv_block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """out, lse of causal attention; query i sees keys 0..q_positions[i] of its sequence.
+    kv_block_size: None takes the model's, kv_block_size(head_dim)."""
     return _lib.ops().attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, q_positions, scale,
-                                    kv_block_size)
+                                    _block(q, kv_block_size))
 
 
 def det_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_positions,
-                           scale: float, kv_block_size: int = KV_BLOCK_SIZE):
+                           scale: float, kv_block_size: int | None = None):
     """dq, and fp32 dk/dv partials added in global query-chunk order."""
+    block = _block(q, kv_block_size)
     return _lib.ops().attention_bwd(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                    q_positions, scale, kv_block_size, kv_block_size)
+                                    q_positions, scale, block, block)
 
 
 def det_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale: float,
-                         kv_block_size: int = KV_BLOCK_SIZE) -> torch.Tensor:
+                         kv_block_size: int | None = None) -> torch.Tensor:
     return _lib.ops().attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale,
-                                       kv_block_size)[0]
+                                       _block(q, kv_block_size))[0]
 
 
 def production_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, q_positions, scale: float) -> torch.Tensor:

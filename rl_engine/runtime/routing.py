@@ -217,13 +217,14 @@ class Router:
                          q, k, v, cu_q, cu_k, q_pos, scale)
 
     def attention_lse(self, module: str, q, k, v, cu_q, cu_k, q_pos, scale: float,
-                      block: int = attn_ops.KV_BLOCK_SIZE):
-        """R only: (out, fp32 lse), for a backward that the caller splits into query chunks."""
+                      block: int | None = None):
+        """R only: (out, fp32 lse), for a backward that the caller splits into query chunks.
+        block: the caller's query-chunk size (None: kv_block_size of q's head_dim)."""
         return self._r_only(module, attn_ops.det_attention, q, k, v, cu_q, cu_k, q_pos, scale,
                             block)
 
     def attention_backward(self, module: str, grad_out, q, k, v, out, lse, cu_q, cu_k, q_pos,
-                           scale: float, block: int = attn_ops.KV_BLOCK_SIZE):
+                           scale: float, block: int | None = None):
         """R only: dq and the fp32 dk/dv partials of these query rows."""
         return self._r_only(module, attn_ops.det_attention_backward, grad_out, q, k, v, out, lse,
                             cu_q, cu_k, q_pos, scale, block)

@@ -64,7 +64,7 @@ class GateConfig:
     head_dim: int | None = None  # None: HEAD_DIM of the device
     repeats: int = 2
     seed: int = 0
-    block: int = attn_ops.KV_BLOCK_SIZE
+    block: int | None = None  # None: kv_block_size of head_dim, as a model of it runs
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -87,6 +87,8 @@ class GateConfig:
             raise BadInput(f"{self.heads} query heads are not a multiple of {self.kv_heads} kv heads")
         if self.head_dim % 8:
             raise BadInput(f"head_dim {self.head_dim} must be a multiple of 8")
+        if self.block is None:
+            object.__setattr__(self, "block", attn_ops.kv_block_size(self.head_dim))
         if not self.seq_lens or min(self.seq_lens) < 1:
             raise BadInput(f"sequence lengths {list(self.seq_lens)} must be positive")
         if self.dtype not in DTYPES:

@@ -16,14 +16,14 @@ import transformers
 from rl_engine.models.checkpoint import build_model, load_config
 from rl_engine.models.config import Qwen3Config
 from rl_engine.models.generate import init_model
-from rl_engine.ops.attention import KV_BLOCK_SIZE
+from rl_engine.ops.attention import kv_block_size
 from rl_engine.runtime.plan import Plan
 from rl_engine.runtime.routing import Router
 
 # vocab 500 is not a multiple of the logp tile, so the padded last tile is exercised too.
 CONFIG = dict(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-LENGTHS = (2 * KV_BLOCK_SIZE - 28, 37)
+LENGTHS = (2 * kv_block_size(CONFIG["head_dim"]) - 28, 37)
 PRODUCTION = Plan(attention="P/P", ffn="P/P", logp="P/P")
 CONTROL = Plan()
 

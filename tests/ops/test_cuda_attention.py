@@ -96,8 +96,9 @@ def paged(k_seq, v_seq, lens, page, shuffle, seed=7):
     return k_cache, v_cache, table.to(DEV), i32(lens)
 
 
-@pytest.mark.parametrize("dtype,d,block", [(torch.bfloat16, 128, 64), (torch.bfloat16, 64, 16),
-                                           (torch.float16, 128, 32), (torch.float16, 64, 128)])
+@pytest.mark.parametrize("dtype,d,block", [(torch.bfloat16, 128, 128), (torch.bfloat16, 128, 64),
+                                           (torch.bfloat16, 64, 16), (torch.float16, 128, 32),
+                                           (torch.float16, 64, 128)])
 def test_forward_and_backward_match_reference(ops, dtype, d, block):
     q, k, v, cu_q, cu_k, pos = packed([1, 70, 200, 130], d, dtype)
     out, lse = fwd(ops, q, k, v, cu_q, cu_k, pos, block)
@@ -164,7 +165,7 @@ def test_decode_equals_prefill_rows_for_each_group_size(ops, heads):
     assert torch.equal(dec_out, out[rows]) and torch.equal(dec_lse, lse[rows])
 
 
-@pytest.mark.parametrize("block", [16, 64])
+@pytest.mark.parametrize("block", [16, 64, 128])
 def test_chunked_prefill_equals_full_prefill(ops, block):
     n = 300
     q, k, v, cu, _, pos = packed([n], 128, seed=5)
@@ -175,25 +176,27 @@ def test_chunked_prefill_equals_full_prefill(ops, block):
             assert torch.equal(c_out, out[s:e]) and torch.equal(c_lse, lse[s:e]), (bounds, s)
 
 
-def test_packed_batch_equals_each_sequence_alone(ops):
+@pytest.mark.parametrize("block", [64, 128])
+def test_packed_batch_equals_each_sequence_alone(ops, block):
     lens = [70, 200, 1, 130]
     q, k, v, cu, _, pos = packed(lens, 128, seed=11)
     do = randn(*q.shape, dtype=q.dtype, seed=12)
-    out, lse = fwd(ops, q, k, v, cu, cu, pos, 64)
-    grads = bwd(ops, do, q, k, v, out, lse, cu, cu, pos, 64, 64)
+    out, lse = fwd(ops, q, k, v, cu, cu, pos, block)
+    grads = bwd(ops, do, q, k, v, out, lse, cu, cu, pos, block, block)
     for b, n in enumerate(lens):
         r = slice(int(cu[b]), int(cu[b + 1]))
         one = i32([0, n])
-        o1, l1 = fwd(ops, q[r], k[r], v[r], one, one, pos[r], 64)
+        o1, l1 = fwd(ops, q[r], k[r], v[r], one, one, pos[r], block)
         assert torch.equal(o1, out[r]) and torch.equal(l1, lse[r]), b
-        alone = bwd(ops, do[r], q[r], k[r], v[r], o1, l1, one, one, pos[r], 64, 64)
+        alone = bwd(ops, do[r], q[r], k[r], v[r], o1, l1, one, one, pos[r], block, block)
         for a, together in zip(alone, grads):
             assert torch.equal(a, together[r]), b
 
 
-@pytest.mark.parametrize("chunk", [64, 40])
-def test_backward_repeats_and_context_parallel_split_equals_one_call(ops, chunk):
-    n, cp, block = 4 * chunk, 2, 64
+# (128, 128): head_dim 128's kv_block_size, the one its models run with.
+@pytest.mark.parametrize("block,chunk", [(64, 64), (64, 40), (128, 128)])
+def test_backward_repeats_and_context_parallel_split_equals_one_call(ops, block, chunk):
+    n, cp = 4 * chunk, 2
     q, k, v, cu, _, pos = packed([n], 128, seed=13)
     do = randn(*q.shape, dtype=q.dtype, seed=14)
     out, lse = fwd(ops, q, k, v, cu, cu, pos, block)

@@ -79,7 +79,7 @@ def packed(lens, seed=10):
     return (q, k, v), (cu, cu.clone(), pos)
 
 
-@pytest.mark.parametrize("block", [attention.KV_BLOCK_SIZE, 16])
+@pytest.mark.parametrize("block", [attention.kv_block_size(D), 16])
 def test_det_attention_grads(block):
     # 70 spans two 64-key blocks (five 16-key ones) with a partial last block; 1 is a lone token.
     (q, k, v), (cu_q, cu_k, pos) = packed([70, 1, 33])

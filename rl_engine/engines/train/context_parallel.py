@@ -84,7 +84,7 @@ class ContextParallelAttention:
 
     def __init__(self, router: Router, mb: MicroBatch, exchange: RowExchange, scale: float):
         rank, cp, block = exchange.rank, mb.cp, mb.block
-        self.router, self.exchange, self.scale = router, exchange, scale
+        self.router, self.exchange, self.scale, self.block = router, exchange, scale, block
         # The geometry is worked out on the CPU (Python loops over rows), then moved once.
         dev = router.device
         q_pos = mb.positions(rank)
@@ -144,7 +144,7 @@ class _RContextParallelAttention(torch.autograd.Function):
         r, ex = cpa.router, cpa.exchange
         k_all, v_all = ex.gather(k, r, "attention"), ex.gather(v, r, "attention")
         out, lse = r.attention_lse("attention", q, k_all, v_all, cpa.cu_q, cpa.cu_k, cpa.q_pos,
-                                   cpa.scale)
+                                   cpa.scale, cpa.block)
         ctx.save_for_backward(q, k_all, v_all, out, lse)
         ctx.cpa, ctx.kv_dtype = cpa, k.dtype
         return out
@@ -160,7 +160,7 @@ class _RContextParallelAttention(torch.autograd.Function):
         for j, (rows, cu_q, pos) in enumerate(cpa.calls):
             dq[rows], parts[j, :, 0], parts[j, :, 1] = r.attention_backward(
                 "attention", grad_out[rows], q[rows], k_all, v_all, out[rows], lse[rows], cu_q,
-                cpa.cu_k, pos, cpa.scale)
+                cpa.cu_k, pos, cpa.scale, cpa.block)
         gathered = r.collective("attention", "all_gather", parts, cpa.exchange.group)
         flat = torch.cat([gathered.flatten(0, 1), gathered.new_zeros((1, *gathered.shape[2:]))])
         ordered = flat[cpa.dkv_index]  # [chunks, own key rows, 2, Hkv, D]

@@ -26,7 +26,7 @@ from rl_engine.models.config import Qwen3Config
 from rl_engine.models.qwen3 import Qwen3
 from rl_engine.models.unshard import full_state, state_checksum
 from rl_engine.models.tp import TPGroup
-from rl_engine.ops.attention import KV_BLOCK_SIZE
+from rl_engine.ops.attention import kv_block_size
 from rl_engine.runtime.plan import Plan
 from rl_engine.runtime.routing import Router
 
@@ -84,7 +84,7 @@ class Trainer:
 
     def start_optimizer(self, model_config: Qwen3Config) -> None:
         """fp32 master copies of the loaded parameters, zero AdamW moments, step 0: the state
-        the rank keeps for the whole run."""
+        the rank keeps for the whole run; and the attention's scale and KV block of the model."""
         self.params = dict(self.model.named_parameters())
         self.master = {n: p.detach().float().clone() for n, p in self.params.items()}
         self.exp_avg = {n: torch.zeros_like(m) for n, m in self.master.items()}
@@ -92,6 +92,8 @@ class Trainer:
         self.grads: dict[str, torch.Tensor] = {}
         self.steps = 0
         self.scale = model_config.head_dim ** -0.5
+        # The KV block of this head_dim, as the rollout's: the CP chunks are cut at its multiples.
+        self.block = kv_block_size(model_config.head_dim)
 
     # -- one step -----------------------------------------------------------------------------
     def step(self, samples: list[Sample]) -> StepResult:
@@ -136,12 +138,12 @@ class Trainer:
         lo = lay.dp_rank * len(samples) // cfg.dp
         hi = (lay.dp_rank + 1) * len(samples) // cfg.dp
         return lo, pack([s.length for s in samples[lo:hi]], cp=cfg.cp,
-                        max_tokens=cfg.max_tokens_per_gpu, block=KV_BLOCK_SIZE)
+                        max_tokens=cfg.max_tokens_per_gpu, block=self.block)
 
     def _micro_batch(self, samples: list[Sample], adv: list[float], global_tokens: int, *,
                      train: bool = True):
         cfg, lay, model, dev = self.config, self.layout, self.model, self.device
-        mb = MicroBatch([s.length for s in samples], cfg.cp, KV_BLOCK_SIZE)
+        mb = MicroBatch([s.length for s in samples], cfg.cp, self.block)
         tokens_all = torch.cat([s.tokens() for s in samples]).to(dev)
         # Row t-1 predicts response token t. Row bookkeeping stays on the CPU; index tensors are
         # moved to the device where they index.
