@@ -55,6 +55,7 @@ def cases():
 
     import rl_engine.ops  # noqa: F401  (loads the extension)
     from rl_engine.ops import _lib
+    from rl_engine.ops.attention import kv_block_size
 
     ops, dev, dt = _lib.ops(), "cuda", torch.bfloat16
 
@@ -68,16 +69,16 @@ def cases():
         table = torch.randperm(pages, device=dev).to(torch.int32).view(batch, context // page)
         lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
         q = randn(batch, hq, d)
-        return lambda: ops.attention_decode(q, k, v, table, lens, d ** -0.5, 64)
+        return lambda: ops.attention_decode(q, k, v, table, lens, d ** -0.5, kv_block_size(d))
 
     def prefill(t, d, backward):
         q, k, v, do = randn(t, 32, d), randn(t, 8, d), randn(t, 8, d), randn(t, 32, d)
         cu = torch.tensor([0, t], dtype=torch.int32, device=dev)
-        pos = torch.arange(t, device=dev)
-        out, lse = ops.attention_fwd(q, k, v, cu, cu, pos, d ** -0.5, 64)
+        pos, block = torch.arange(t, device=dev), kv_block_size(d)  # as a model of head_dim d runs
+        out, lse = ops.attention_fwd(q, k, v, cu, cu, pos, d ** -0.5, block)
         if backward:
-            return lambda: ops.attention_bwd(do, q, k, v, out, lse, cu, cu, pos, d ** -0.5, 64, 64)
-        return lambda: ops.attention_fwd(q, k, v, cu, cu, pos, d ** -0.5, 64)
+            return lambda: ops.attention_bwd(do, q, k, v, out, lse, cu, cu, pos, d ** -0.5, block, block)
+        return lambda: ops.attention_fwd(q, k, v, cu, cu, pos, d ** -0.5, block)
 
     def rmsnorm_bwd():
         x, w, g = randn(32768, 4096), randn(4096), randn(32768, 4096)
