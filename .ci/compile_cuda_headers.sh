@@ -57,6 +57,12 @@ template cudaError_t rc::attn::launch_attention_fwd_wgmma<__half, 64, 128>(const
                                                                         int, cudaStream_t);
 template cudaError_t rc::attn::launch_attention_decode<__nv_bfloat16, 128, 32>(const rc::attn::DecodeParams&, int,
                                                                             cudaStream_t);
+// head_dim 128 as its models run it (kv_block_size): blocks of 128, the forward's only path without
+// the warpgroups' overlap.
+template cudaError_t rc::attn::launch_attention_fwd_wgmma<__nv_bfloat16, 128, 128>(const rc::attn::FwdParams&, int64_t,
+                                                                                int64_t, int, cudaStream_t);
+template cudaError_t rc::attn::launch_attention_decode<__nv_bfloat16, 128, 128>(const rc::attn::DecodeParams&, int,
+                                                                             cudaStream_t);
 CU
 
 "$NVCC" --version | tail -n 1

@@ -193,7 +193,11 @@ def main() -> None:
     if unknown:
         sys.exit(f"ncu_profile: unknown case(s) {unknown}; choose from {sorted(cases())}")
     source = source_of(args, Path(__file__).resolve().parent)
-    result = dict(schema_version=SCHEMA_VERSION, source=source, profiles={})
+    from rl_engine.ops.attention import kv_block_size
+
+    # The attention cases (decode128, attn_bwd64, ...) run each head_dim at its models' block.
+    result = dict(schema_version=SCHEMA_VERSION, source=source,
+                  kv_block_size={str(d): kv_block_size(d) for d in (128, 64)}, profiles={})
     for name in names:  # the file is rewritten after each case, so a run cut short keeps those done
         result["profiles"][name] = profile(name, ncu)
         print(json.dumps({name: result["profiles"][name]}, indent=1), flush=True)

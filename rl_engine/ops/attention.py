@@ -19,9 +19,10 @@ def kv_block_size(head_dim: int) -> int:
     backward's query chunks (the context-parallel cut) take the same size, so the rollout and the
     trainer agree only where both take it from here, as every caller does by default.
 
-    128 keys at head_dim 128 (Qwen3-4B/8B): on an H100 the prefill forward is 9% faster than with 64
-    and the backward 6-8%, the paged decode as fast. 64 below: a head_dim 64 decode CTA with two
-    128-key stages leaves room for three CTAs an SM instead of four, and its decode is 14% slower."""
+    128 keys at head_dim 128 (Qwen3-4B/8B): the prefill forward is 9% faster than with 64 on an
+    H100 and the backward 5-9%; the paged decode is as fast there, 5% slower on an H200 (3.76 TB/s
+    against 3.96). 64 below: a head_dim 64 decode CTA with two 128-key stages leaves room for three
+    CTAs an SM instead of four, and its decode takes 14% longer."""
     if head_dim < 1:
         raise ValueError(f"head_dim {head_dim} must be positive")
     return 128 if head_dim >= 128 else 64
@@ -33,25 +34,25 @@ def _block(q, given: int | None) -> int:
 
 
 def det_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, q_positions, scale: float,
-                  kv_block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """out, lse of causal attention; query i sees keys 0..q_positions[i] of its sequence.
-    kv_block_size: None takes the model's, kv_block_size(head_dim)."""
+                  block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """out, lse of causal attention; query i sees keys 0..q_positions[i] of its sequence, in KV
+    blocks of `block` keys (None: kv_block_size of the head_dim)."""
     return _lib.ops().attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, q_positions, scale,
-                                    _block(q, kv_block_size))
+                                    _block(q, block))
 
 
 def det_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_positions,
-                           scale: float, kv_block_size: int | None = None):
-    """dq, and fp32 dk/dv partials added in global query-chunk order."""
-    block = _block(q, kv_block_size)
+                           scale: float, block: int | None = None):
+    """dq, and fp32 dk/dv partials added in global query-chunk order (chunks of `block` rows)."""
+    block = _block(q, block)
     return _lib.ops().attention_bwd(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                     q_positions, scale, block, block)
 
 
 def det_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale: float,
-                         kv_block_size: int | None = None) -> torch.Tensor:
+                         block: int | None = None) -> torch.Tensor:
     return _lib.ops().attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale,
-                                       _block(q, kv_block_size))[0]
+                                       _block(q, block))[0]
 
 
 def production_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, q_positions, scale: float) -> torch.Tensor:

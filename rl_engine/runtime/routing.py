@@ -158,15 +158,23 @@ class Router:
 
     def attention(self, module: str, q, k, v, cu_q, cu_k, q_pos, scale: float):
         self.note(module, "query_rows", q.shape[0])
-        return self._run(module, lambda *a: attn_ops.det_attention(*a)[0],
+        return self._run(module, lambda *a: attn_ops.det_attention(*a, self._kv_block(module, q))[0],
                          attn_ops.production_attention, "production.sdpa",
                          q, k, v, cu_q, cu_k, q_pos, scale)
 
     def attention_decode(self, module: str, q, k_cache, v_cache, block_table, seq_lens, scale: float):
         self.note(module, "decode_batch", q.shape[0])
-        return self._run(module, attn_ops.det_attention_decode, attn_ops.production_attention_decode,
-                         "production.split_kv_decode", q, k_cache, v_cache, block_table, seq_lens,
-                         scale)
+        return self._run(module,
+                         lambda *a: attn_ops.det_attention_decode(*a, self._kv_block(module, q)),
+                         attn_ops.production_attention_decode, "production.split_kv_decode",
+                         q, k_cache, v_cache, block_table, seq_lens, scale)
+
+    def _kv_block(self, module: str, q, block: int | None = None) -> int:
+        """The KV block of an R attention call (given, or kv_block_size of q's head_dim), noted in
+        the module's record so that each side's readback says which size it ran."""
+        block = attn_ops.kv_block_size(q.shape[-1]) if block is None else block
+        self.note(module, "kv_block", block)
+        return block
 
     def selected_logp(self, module: str, hidden, weight, target):
         return self._run(module, logp.det_selected_logp, logp.production_selected_logp,
@@ -219,15 +227,16 @@ class Router:
     def attention_lse(self, module: str, q, k, v, cu_q, cu_k, q_pos, scale: float,
                       block: int | None = None):
         """R only: (out, fp32 lse), for a backward that the caller splits into query chunks.
-        block: the caller's query-chunk size (None: kv_block_size of q's head_dim)."""
+        block: the KV block, which the backward's query chunks must equal (None: kv_block_size of
+        q's head_dim)."""
         return self._r_only(module, attn_ops.det_attention, q, k, v, cu_q, cu_k, q_pos, scale,
-                            block)
+                            self._kv_block(module, q, block))
 
     def attention_backward(self, module: str, grad_out, q, k, v, out, lse, cu_q, cu_k, q_pos,
                            scale: float, block: int | None = None):
-        """R only: dq and the fp32 dk/dv partials of these query rows."""
+        """R only: dq and the fp32 dk/dv partials of these query rows, in chunks of `block`."""
         return self._r_only(module, attn_ops.det_attention_backward, grad_out, q, k, v, out, lse,
-                            cu_q, cu_k, q_pos, scale, block)
+                            cu_q, cu_k, q_pos, scale, self._kv_block(module, q, block))
 
     def sum_in_order(self, module: str, parts: list):
         """R only: the fp32 sum of parts in list order (the rank-order sum kernel)."""

@@ -96,10 +96,11 @@ def paged(k_seq, v_seq, lens, page, shuffle, seed=7):
     return k_cache, v_cache, table.to(DEV), i32(lens)
 
 
-@pytest.mark.parametrize("dtype,d,block", [(torch.bfloat16, 128, 128), (torch.bfloat16, 128, 64),
-                                           (torch.bfloat16, 64, 16), (torch.float16, 128, 32),
-                                           (torch.float16, 64, 128)])
-def test_forward_and_backward_match_reference(ops, dtype, d, block):
+# (bf16, 128, 128, 128): head_dim 128 as its models run it, query chunks of one block.
+@pytest.mark.parametrize("dtype,d,block,chunk", [
+    (torch.bfloat16, 128, 128, 128), (torch.bfloat16, 128, 64, 64), (torch.bfloat16, 64, 16, 64),
+    (torch.float16, 128, 32, 64), (torch.float16, 64, 128, 64)])
+def test_forward_and_backward_match_reference(ops, dtype, d, block, chunk):
     q, k, v, cu_q, cu_k, pos = packed([1, 70, 200, 130], d, dtype)
     out, lse = fwd(ops, q, k, v, cu_q, cu_k, pos, block)
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
@@ -109,7 +110,7 @@ def test_forward_and_backward_match_reference(ops, dtype, d, block):
     torch.testing.assert_close(lse.double(), ref_lse.detach(), rtol=0, atol=LSE_ATOL)
 
     do = randn(*q.shape, dtype=dtype, seed=9)
-    dq, dk, dv = bwd(ops, do, q, k, v, out, lse, cu_q, cu_k, pos, block, 64)
+    dq, dk, dv = bwd(ops, do, q, k, v, out, lse, cu_q, cu_k, pos, block, chunk)
     ref = torch.autograd.grad(ref_out, (qr, kr, vr), do.double())
     assert dq.dtype == dtype and dk.dtype == dv.dtype == torch.float32
     for name, got, want in zip("dq dk dv".split(), (dq, dk, dv), ref):
@@ -152,9 +153,10 @@ def test_decode_equals_prefill_rows(ops, block, page, d):
 
 # Up to 16 query heads per kv head the decode splits each block over its warps, above it gives
 # each warp 16 heads: both kernels must give prefill rows.
+@pytest.mark.parametrize("block", [64, 128])
 @pytest.mark.parametrize("heads", [(2, 2), (32, 2), (40, 2), (64, 1)])
-def test_decode_equals_prefill_rows_for_each_group_size(ops, heads):
-    lens, block = [3, 70, 129], 64
+def test_decode_equals_prefill_rows_for_each_group_size(ops, heads, block):
+    lens = [3, 70, 129]
     q, k, v, cu, _, pos = packed(lens, 128, seed=11, heads=heads)
     out, lse = fwd(ops, q, k, v, cu, cu, pos, block)
     rows = [int(cu[b]) + n - 1 for b, n in enumerate(lens)]

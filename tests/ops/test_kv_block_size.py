@@ -58,13 +58,20 @@ def test_wrappers_default_to_the_block_of_the_head_dim(rl_ops, d):
     assert torch.equal(dec[0], out[n - 1])
 
 
-def test_router_r_only_ops_default_to_the_block_of_the_head_dim(rl_ops):
-    n, d = 200, 128
+def test_router_r_ops_default_to_the_block_of_the_head_dim_and_note_it(rl_ops):
+    n, d, scale = 200, 128, 128 ** -0.5
     q, k, v, cu, pos = sequence(n, d, seed=5)
     router = Router(Plan(), side="training", engine="builtin", device="cpu")
-    out, lse = router.attention_lse("attention", q, k, v, cu, cu, pos, d ** -0.5)
-    named_out, _ = attention.det_attention(q, k, v, cu, cu, pos, d ** -0.5, 128)
-    assert torch.equal(out, named_out)
+    out, lse = router.attention_lse("attention", q, k, v, cu, cu, pos, scale)
+    named_out, named_lse = attention.det_attention(q, k, v, cu, cu, pos, scale, 128)
+    assert torch.equal(out, named_out) and torch.equal(lse, named_lse)
+    do = randn(n, HQ, d, seed=6)
+    grads = router.attention_backward("attention", do, q, k, v, out, lse, cu, cu, pos, scale)
+    named = attention.det_attention_backward(do, q, k, v, out, lse, cu, cu, pos, scale, 128)
+    assert all(torch.equal(a, b) for a, b in zip(grads, named))
+    assert torch.equal(router.attention("attention", q, k, v, cu, cu, pos, scale), named_out)
+    # The readback's record says which size ran.
+    assert router.records["attention"].shapes["kv_block"] == {128}
 
 
 @pytest.mark.parametrize("head_dim,block", [(None, 64), (64, 64), (128, 128)])
