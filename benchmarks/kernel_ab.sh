@@ -15,6 +15,7 @@
 # The build needs nvcc but no GPU, so it can be made where device time is not spent:
 #   KERNEL_AB_OUT=DIR bash benchmarks/kernel_ab.sh BASE_REV SET     (builds, writes DIR, runs nothing)
 #   KERNEL_AB_PREBUILT=DIR bash benchmarks/kernel_ab.sh BASE_REV SET  (runs DIR's builds, no nvcc)
+# where BASE_REV may be the full hash of a commit the running checkout lacks.
 # DIR/built-for names the base commit, what the build holds (gemm: every set; attn-decode: those
 # two) and a hash of the working tree's kernel sources; a prebuilt DIR made for another base, from
 # other sources than this tree's or without gemm is refused.
@@ -29,14 +30,22 @@ case "$what" in
 esac
 root=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
 if ! base_commit=$(git -C "$root" rev-parse --verify -q "$base^{commit}"); then
-  echo "kernel_ab: '$base' is not a commit of this repository; $usage" >&2
-  exit 2
+  # Running prebuilt binaries needs no object of the base: a GPU machine's copy of the history may
+  # stop before it, so a full commit hash is taken as written (built-for must name it all the same).
+  if [ -n "${KERNEL_AB_PREBUILT:-}" ] && [[ "$base" =~ ^[0-9a-f]{40}$ ]]; then
+    base_commit=$base
+  else
+    echo "kernel_ab: '$base' is not a commit of this repository (with KERNEL_AB_PREBUILT, a full" \
+      "40-digit hash need not be); $usage" >&2
+    exit 2
+  fi
 fi
 holds=attn-decode
 [ "$what" = gemm ] && holds=gemm
 sources() {  # the hash of what the working tree's side is built from
-  (cd "$root" && find include csrc benchmarks/kernel_ab.cu -type f -print0 | sort -z | xargs -0 sha256sum) \
-    | sha256sum | cut -c1-16
+  # LC_ALL=C: the file order, and so the hash, must not depend on the machine's collation.
+  (cd "$root" && find include csrc benchmarks/kernel_ab.cu -type f -print0 | LC_ALL=C sort -z \
+    | xargs -0 sha256sum) | sha256sum | cut -c1-16
 }
 tree_sources=$(sources)
 work=$(mktemp -d)

@@ -110,6 +110,27 @@ def test_a_build_for_other_sources_base_or_cases_is_refused(tmp_path):
     assert f"not {git(repo, 'rev-parse', 'HEAD')}" in other_base.stderr
 
 
+def test_a_build_runs_where_the_history_lacks_its_base_named_in_full(tmp_path):
+    repo = make_repo(tmp_path)
+    out = build(repo)
+    base = git(repo, "rev-parse", "HEAD")
+    # The same files in a checkout of another history (a GPU machine's copy of the tree).
+    shutil.rmtree(repo / ".git")
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "copy")
+    run = {"KERNEL_AB_PREBUILT": str(out), "KAB_MS_BASE": "0.5", "KAB_MS_NEW": "0.5",
+           "KAB_OUT_BASE": "ab", "KAB_OUT_NEW": "ab"}
+    done = kernel_ab(repo, base, "attn", **run)
+    assert done.returncode == 0, done.stderr
+    assert "bits the same in every case" in done.stdout
+    short = kernel_ab(repo, base[:12], "attn", **run)
+    assert short.returncode == 2 and "full 40-digit hash" in short.stderr
+    # A full hash is still checked against the one the build was made for.
+    other = kernel_ab(repo, "f" * 40, "attn", **run)
+    assert other.returncode == 2 and "rebuild it" in other.stderr
+
+
 def test_wrong_arguments_say_what_is_wrong(tmp_path):
     repo = make_repo(tmp_path)
     bad_rev = kernel_ab(repo, "no-such-rev", "attn")
