@@ -5,6 +5,8 @@
 // logits one vocab chunk at a time and a reduction kernel takes the sub-tiles. The backward walks
 // the vocab in fixed chunks of kBackwardChunk ids: logits, dlogit (rounded to the input dtype, as
 // the production backward does), then grad_hidden += dlogit W_c and grad_weight_c = dlogit^T hidden.
+// In bf16/fp16 the logits become dlogit in the GEMM's epilogue (DlogitEpilogue), so a chunk's fp32
+// logits never reach memory.
 #include "rl_engine/cuda/linear_logp.cuh"
 
 #include <torch/library.h>
@@ -143,6 +145,21 @@ void launch_dlogit(const at::Tensor& lg, int64_t id0, const at::Tensor& tgt, con
   check_launch(cudaGetLastError(), op);
 }
 
+// The forward's logits of one vocab chunk (K unsplit, so the bits of linear_logp_partial's tiles)
+// straight into dlogit through DlogitEpilogue.
+template <typename T>
+void launch_dlogit_gemm(const at::Tensor& h2, const at::Tensor& wc, int64_t id0, const at::Tensor& tgt,
+                        const at::Tensor& lse, const at::Tensor& grad, at::Tensor& dl, const char* op) {
+  const at::Tensor w2 = tma_rows(wc);
+  const GemmOperands g{h2.data_ptr(), h2.stride(0), w2.data_ptr(), w2.stride(0), static_cast<int>(h2.size(0)),
+                       static_cast<int>(w2.size(0)), static_cast<int>(h2.size(1)), dtype_of(h2.scalar_type())};
+  T* p = reinterpret_cast<T*>(dl.data_ptr());
+  const bool rows16 = dl.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(p) % 16 == 0;
+  const StoreEpilogue<T> store{p, dl.stride(0), nullptr, false, dl.stride(0) % 2 == 0, rows16};
+  const DlogitEpilogue<T> epi{store, tgt.data_ptr<int64_t>(), lse.data_ptr<float>(), grad.data_ptr<float>(), id0};
+  check_launch(launch_det_gemm_sm90(g, epi, sm_count(), at::cuda::getCurrentCUDAStream()), op);
+}
+
 std::tuple<at::Tensor, at::Tensor> linear_logp_backward(const at::Tensor& grad_logp,
                                                         const at::Tensor& hidden, const at::Tensor& weight,
                                                         const at::Tensor& target, const at::Tensor& lse,
@@ -158,9 +175,12 @@ std::tuple<at::Tensor, at::Tensor> linear_logp_backward(const at::Tensor& grad_l
   c10::cuda::CUDAGuard guard(hidden.device());
   count_launch(kLinearLogpBackward, kCuda);
   const auto f32 = hidden.options().dtype(at::kFloat);
-  auto grad_hidden = at::zeros({t_dim, h}, f32);
-  auto grad_weight = at::zeros({v_local, h}, f32);
-  if (t_dim == 0 || v_local == 0 || h == 0) return {grad_hidden, grad_weight};
+  if (t_dim == 0 || v_local == 0 || h == 0) {
+    return {at::zeros({t_dim, h}, f32), at::zeros({v_local, h}, f32)};
+  }
+  // Every element is written: the first chunk stores grad_hidden, each chunk its rows of grad_weight.
+  auto grad_hidden = at::empty({t_dim, h}, f32);
+  auto grad_weight = at::empty({v_local, h}, f32);
   const bool tensor_cores = hidden.scalar_type() == weight.scalar_type() &&
                             hidden.scalar_type() != at::kFloat;
   const auto dtype = tensor_cores ? hidden.scalar_type() : at::kFloat;
@@ -168,17 +188,22 @@ std::tuple<at::Tensor, at::Tensor> linear_logp_backward(const at::Tensor& grad_l
   const auto g = grad_logp.to(at::kFloat).contiguous(), l = lse.to(at::kFloat).contiguous();
   const auto tgt = target.contiguous();
   const int64_t align = 16 / c10::elementSize(dtype);
-  auto logits = at::empty({t_dim, std::min(kBackwardChunk, v_local)}, f32);
+  at::Tensor logits;  // fp32 path only: the 16-bit one turns logits into dlogit in the GEMM's epilogue
+  if (!tensor_cores) logits = at::empty({t_dim, std::min(kBackwardChunk, v_local)}, f32);
+  const at::Tensor h2 = tensor_cores ? tma_rows(hs) : hs;
   for (int64_t c0 = 0; c0 < v_local; c0 += kBackwardChunk) {
     const int64_t vc = std::min(kBackwardChunk, v_local - c0);
     const auto wc = ws.narrow(0, c0, vc);
-    auto lg = logits.narrow(1, 0, vc);
-    gemm_into(hs, wc, lg, std::nullopt, false, op, /*split_k=*/false);  // the forward's logits
     auto dl = at::empty({t_dim, round_up(vc, align)}, hidden.options().dtype(dtype));
+    if (dl.size(1) > vc) dl.narrow(1, vc, dl.size(1) - vc).zero_();  // the next GEMM's row padding
     switch (dtype) {
-      case at::kBFloat16: launch_dlogit<__nv_bfloat16>(lg, vocab_start + c0, tgt, l, g, dl, op); break;
-      case at::kHalf: launch_dlogit<__half>(lg, vocab_start + c0, tgt, l, g, dl, op); break;
-      default: launch_dlogit<float>(lg, vocab_start + c0, tgt, l, g, dl, op); break;
+      case at::kBFloat16: launch_dlogit_gemm<__nv_bfloat16>(h2, wc, vocab_start + c0, tgt, l, g, dl, op); break;
+      case at::kHalf: launch_dlogit_gemm<__half>(h2, wc, vocab_start + c0, tgt, l, g, dl, op); break;
+      default: {
+        auto lg = logits.narrow(1, 0, vc);
+        gemm_into(hs, wc, lg, std::nullopt, false, op, /*split_k=*/false);  // the forward's logits
+        launch_dlogit<float>(lg, vocab_start + c0, tgt, l, g, dl, op);
+      }
     }
     const auto dlv = dl.narrow(1, 0, vc);
     // Transposed views: the GEMM reads them in place on its large tiles (see gemm_into).

@@ -353,6 +353,13 @@ struct StoreEpilogue {
       v0 = to_float(p[0]) + v0;
       if (two) v1 = to_float(p[1]) + v1;
     }
+    write_pair(row, col, v0, v1, n);
+  }
+
+  // The final values of (row, col) and (row, col + 1), the second only where it exists.
+  __device__ __forceinline__ void write_pair(int row, int col, float v0, float v1, int n) const {
+    Out* p = out + static_cast<int64_t>(row) * ldo + col;
+    const bool two = col + 1 < n;
     if (two && pairs) {
       rl_engine::cuda::store_pair(p, v0, v1);
     } else {
@@ -408,6 +415,46 @@ struct StoreEpilogue {
     }
   }
 
+  // out + acc, as store_pair adds them, with the old values of eight column blocks loaded before
+  // any of them is written: loads and stores to the same array stay in program order, so one pair at
+  // a time would wait out a memory round trip per pair (linear_logp's backward adds each vocab
+  // chunk's grad_hidden this way: 128 round trips a tile).
+  template <int kA>
+  __device__ __forceinline__ void add_blocks(const float (&acc)[kA], int r, int cq, int m, int n) const {
+    constexpr int kJ = kA / 4, kGroup = 8;
+#pragma unroll
+    for (int j0 = 0; j0 < kJ; j0 += kGroup) {
+      float old[4 * kGroup];
+#pragma unroll
+      for (int u = 0; u < kGroup && j0 + u < kJ; ++u) {
+        const int col = cq + 8 * (j0 + u);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = r + 8 * h;
+          const Out* p = out + static_cast<int64_t>(row) * ldo + col;
+          const bool in = row < m && col < n;
+          old[4 * u + 2 * h] = in ? to_float(p[0]) : 0.f;
+          old[4 * u + 2 * h + 1] = in && col + 1 < n ? to_float(p[1]) : 0.f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kGroup && j0 + u < kJ; ++u) {
+        const int j = j0 + u, col = cq + 8 * j;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = r + 8 * h;
+          if (row >= m || col >= n) continue;
+          float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+          if (bias != nullptr) {
+            v0 = v0 + bias[col];
+            if (col + 1 < n) v1 = v1 + bias[col + 1];
+          }
+          write_pair(row, col, old[4 * u + 2 * h] + v0, old[4 * u + 2 * h + 1] + v1, n);
+        }
+      }
+    }
+  }
+
   template <int kA>
   __device__ __forceinline__ void operator()(const float (&acc)[kA], int row0, int col0, int m,
                                              int n) const {
@@ -416,6 +463,7 @@ struct StoreEpilogue {
     if constexpr (sizeof(Out) == 2 && kA % 16 == 0) {
       if (rows16 && !accumulate && col0 + 2 * kA <= n) return store_blocks(acc, r, col0, m);
     }
+    if (accumulate) return add_blocks(acc, r, cq, m, n);
 #pragma unroll
     for (int j = 0; j < kA / 4; ++j) {
       store_pair(r, cq + 8 * j, acc[4 * j], acc[4 * j + 1], m, n);

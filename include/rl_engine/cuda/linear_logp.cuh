@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "rl_engine/cuda/det_gemm.cuh"
 #include "rl_engine/cuda/types.cuh"
 
 namespace rl_engine::cuda {
@@ -123,6 +124,54 @@ struct LogpTileEpilogue {
           }
         }
       }
+    }
+  }
+};
+
+// Backward: the recomputed logit tile turned into dlogit[r, c] = grad[r] * (1[id0 + c == target[r]] -
+// exp(logit - lse[r])) in registers and stored rounded once to Out, so the chunk's fp32 logits
+// never reach memory. The same operations on the same fp32 logits as
+// rlk_linear_logp_dlogit_kernel, so the same bits.
+template <typename Out>
+struct DlogitEpilogue {
+  StoreEpilogue<Out> store;  // dlogit [T, ldd] of one vocab chunk, no bias, no accumulate
+  const int64_t* target;     // [T] absolute ids
+  const float* lse;          // [T]
+  const float* grad;         // [T]
+  int64_t id0;               // the absolute id of the chunk's column 0
+
+  __device__ __forceinline__ void operator()(const float (&acc)[128], int row0, int col0, int m,
+                                             int n) const {
+    const int t = threadIdx.x % 128;
+    const int r = row0 + (t / 32) * 16 + (t % 32) / 4, cq = col0 + (t % 4) * 2;
+    float l[2], g[2];
+    int64_t tl[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = r + 8 * h;
+      const bool in = row < m;
+      l[h] = in ? lse[row] : 0.f;
+      g[h] = in ? grad[row] : 0.f;
+      tl[h] = in ? target[row] - id0 : -1;
+    }
+    // Four 8-column blocks at a time, each stored as soon as it is made: a whole second fragment
+    // would not fit in the registers beside the accumulator.
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      float d[16];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int j = 4 * q + i;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float p = __expf(acc[4 * j + 2 * h + e] - l[h]);
+            d[4 * i + 2 * h + e] = g[h] * ((cq + 8 * j + e == tl[h] ? 1.f : 0.f) - p);
+          }
+        }
+      }
+      store(d, row0, col0 + 32 * q, m, n);
     }
   }
 };
