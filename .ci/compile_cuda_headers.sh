@@ -22,13 +22,14 @@ done
 cat >> "$tu" <<'CU'
 namespace rc = rl_engine::cuda;
 cudaError_t rlk_check_gemm(const rc::GemmOperands& g, __nv_bfloat16* y, float* f, float* ws,
-                           rc::LogpTileEpilogue lp) {
+                           rc::LogpTileEpilogue lp, rc::DlogitEpilogue<__nv_bfloat16> dl) {
   const rc::StoreEpilogue<__nv_bfloat16> sb{y, g.n, nullptr, false, true};
   const rc::StoreEpilogue<float> sf{f, g.n, nullptr, true, true};
   const rc::GemmPlan plan = rc::plan_det_gemm(g.m, g.n, g.k, 132, true);
   cudaError_t e = rc::launch_det_gemm_planned(g, sb, plan, ws, 132, nullptr);
   if (e == cudaSuccess) e = rc::launch_det_gemm_planned(g, sf, plan, ws, 132, nullptr);
   if (e == cudaSuccess) e = rc::launch_det_gemm_sm90(g, lp, 132, nullptr);
+  if (e == cudaSuccess) e = rc::launch_det_gemm_sm90(g, dl, 132, nullptr);
   return e == cudaSuccess ? rc::launch_det_gemm_f32(g, sf, nullptr) : e;
 }
 template __global__ void rc::rlk_rmsnorm_fwd_kernel<__nv_bfloat16, 128, 8>(

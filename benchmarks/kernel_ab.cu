@@ -226,9 +226,11 @@ int main(int argc, char** argv) {
   } else if (!std::strcmp(what, "gemm")) {
     const struct { const char* name; int n, k; } shapes[] = {
         {"square", 4096, 4096}, {"deep", 4096, 12288}, {"8b_kv", 1024, 4096}, {"4b_o", 2560, 4096},
-        {"4b_down", 2560, 9728}, {"4b_q", 4096, 2560}, {"4b_kv", 1024, 2560}, {"4b_qkv", 6144, 2560}};
+        {"4b_down", 2560, 9728}, {"4b_q", 4096, 2560}, {"4b_kv", 1024, 2560}, {"4b_qkv", 6144, 2560},
+        {"wide", 12288, 4096}, {"8b_gate_up", 24576, 4096}};
     for (const auto& s : shapes)
       for (int m : {1, 16, 32, 64, 128, 256, 1024, 8192}) gemm(s.name, m, s.n, s.k, sms);
+    gemm("lm_head", 8192, 151936, 4096, sms);  // Qwen3's vocab: linear_logp's product
 #endif
   } else {
     std::fprintf(stderr, "kernel_ab: unknown case set '%s' (attn, decode or gemm; gemm needs a build "

@@ -1,0 +1,82 @@
+"""linear_logp_backward of two builds of the extension, on one GPU, in two processes (one build a
+process: both register the same operators):
+
+    python benchmarks/logp_backward_ab.py save --dir D     # with the base build installed
+    python benchmarks/logp_backward_ab.py compare --dir D  # with the new build installed
+
+`save` writes the gradients of two cases to D; `compare` holds its own to them with torch.equal and
+exits 3 where any differs. Both print the backward's median time at Qwen3's vocab (8192 tokens, H =
+4096, V = 151936) beside the production backward's (autograd through plain logits), timed
+alternately in the same process."""
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from rl_engine.ops import _lib
+from rl_engine.ops.logp import production_selected_logp
+
+CASES = {"qwen3": (8192, 4096, 151936), "odd": (1000, 520, 20011)}  # odd: chunk tails, padded rows
+
+
+def inputs(ops, t, h, v):
+    g = torch.Generator(device="cuda").manual_seed(7)
+    hidden = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(v, h, device="cuda", generator=g) * 0.02).bfloat16()
+    target = torch.randint(0, v, (t,), device="cuda", generator=g)
+    grad = torch.randn(t, device="cuda", generator=g)
+    m, s, tl = ops.linear_logp_partial(hidden, weight, target, 0, 256, 1 << (v // 256).bit_length())
+    return hidden, weight, target, grad, ops.logp_combine(m[None], s[None], tl[None])[1]
+
+
+def median_ms(fns, rounds=6, skip=2):
+    """Median ms of each fn, the fns run in turn every round (the first `skip` rounds untimed)."""
+    times = [[] for _ in fns]
+    for r in range(rounds):
+        for i, fn in enumerate(fns):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record(), fn(), e1.record()
+            torch.cuda.synchronize()
+            if r >= skip:
+                times[i].append(e0.elapsed_time(e1))
+    return [statistics.median(t) for t in times]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=("save", "compare"))
+    ap.add_argument("--dir", type=Path, required=True, help="where `save` writes the gradients")
+    args = ap.parse_args()
+    if args.mode == "compare" and not all((args.dir / f"{n}.pt").exists() for n in CASES):
+        sys.exit(f"logp_backward_ab: no saved gradients in {args.dir}; run `save` with the base build first")
+    args.dir.mkdir(parents=True, exist_ok=True)
+    ops = _lib.ops()
+    x = torch.randn(8192, 8192, device="cuda").bfloat16()
+    for _ in range(200):  # clocks up before anything is timed
+        x @ x
+    differ = False
+    for name, shape in CASES.items():
+        hidden, weight, target, grad, lse = inputs(ops, *shape)
+        ours = lambda: ops.linear_logp_backward(grad, hidden, weight, target, lse, 0)  # noqa: E731
+        gh, gw = (g.cpu() for g in ours())
+        path = args.dir / f"{name}.pt"
+        if args.mode == "save":
+            torch.save((gh, gw), path)
+        else:
+            rh, rw = torch.load(path)
+            same = torch.equal(gh, rh) and torch.equal(gw, rw)
+            differ |= not same
+            print(f"{name}: gradients {'equal' if same else 'DIFFER'} to the saved build's")
+        if name == "qwen3":
+            leaves = [hidden.detach().requires_grad_(), weight.detach().requires_grad_()]
+            out = production_selected_logp(*leaves, target)
+            plain = lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)  # noqa: E731
+            r_ms, p_ms = median_ms([ours, plain])
+            print(f"{name}: backward {r_ms:.2f} ms, production {p_ms:.2f} ms, ratio {p_ms / r_ms:.3f}")
+    sys.exit(3 if differ else 0)
+
+
+if __name__ == "__main__":
+    main()
