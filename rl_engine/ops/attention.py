@@ -28,7 +28,7 @@ def kv_block_size(head_dim: int) -> int:
     return 128 if head_dim >= 128 else 64
 
 
-def _block(q, given: int | None) -> int:
+def block_of(q, given: int | None = None) -> int:
     """The block size a call asked for, or the one of q's head_dim (q: [..., head_dim])."""
     return kv_block_size(q.shape[-1]) if given is None else given
 
@@ -38,13 +38,13 @@ def det_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, q_positions, scale: float
     """out, lse of causal attention; query i sees keys 0..q_positions[i] of its sequence, in KV
     blocks of `block` keys (None: kv_block_size of the head_dim)."""
     return _lib.ops().attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, q_positions, scale,
-                                    _block(q, block))
+                                    block_of(q, block))
 
 
 def det_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_positions,
                            scale: float, block: int | None = None):
     """dq, and fp32 dk/dv partials added in global query-chunk order (chunks of `block` rows)."""
-    block = _block(q, block)
+    block = block_of(q, block)
     return _lib.ops().attention_bwd(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                     q_positions, scale, block, block)
 
@@ -52,7 +52,7 @@ def det_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
 def det_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale: float,
                          block: int | None = None) -> torch.Tensor:
     return _lib.ops().attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale,
-                                       _block(q, block))[0]
+                                       block_of(q, block))[0]
 
 
 def production_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, q_positions, scale: float) -> torch.Tensor:

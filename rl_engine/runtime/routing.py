@@ -172,7 +172,7 @@ class Router:
     def _kv_block(self, module: str, q, block: int | None = None) -> int:
         """The KV block of an R attention call (given, or kv_block_size of q's head_dim), noted in
         the module's record so that each side's readback says which size it ran."""
-        block = attn_ops.kv_block_size(q.shape[-1]) if block is None else block
+        block = attn_ops.block_of(q, block)
         self.note(module, "kv_block", block)
         return block
 

@@ -145,14 +145,16 @@ struct DlogitEpilogue {
     const int t = threadIdx.x % 128;
     const int r = row0 + (t / 32) * 16 + (t % 32) / 4, cq = col0 + (t % 4) * 2;
     float l[2], g[2];
-    int64_t tl[2];
+    int tc[2];  // the target's column in the chunk, -1 where it is in another chunk (an int compare
+                // a value instead of a 64-bit one)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = r + 8 * h;
       const bool in = row < m;
       l[h] = in ? lse[row] : 0.f;
       g[h] = in ? grad[row] : 0.f;
-      tl[h] = in ? target[row] - id0 : -1;
+      const int64_t col = in ? target[row] - id0 : -1;
+      tc[h] = col >= 0 && col < n ? static_cast<int>(col) : -1;
     }
     // Four 8-column blocks at a time, each stored as soon as it is made: a whole second fragment
     // would not fit in the registers beside the accumulator.
@@ -167,7 +169,7 @@ struct DlogitEpilogue {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const float p = __expf(acc[4 * j + 2 * h + e] - l[h]);
-            d[4 * i + 2 * h + e] = g[h] * ((cq + 8 * j + e == tl[h] ? 1.f : 0.f) - p);
+            d[4 * i + 2 * h + e] = g[h] * ((cq + 8 * j + e == tc[h] ? 1.f : 0.f) - p);
           }
         }
       }

@@ -54,7 +54,8 @@ class MegatronTrainer(Trainer):
                                     TPGroup(lay.tp_rank, lay.tp, lay.tp_group), config.cp)
         load_hf(self.model, state)
         self.model.train()
-        self.start_optimizer(model_config)
+        self.set_attention(model_config)
+        self.start_optimizer()
         self.ddp = ddp.wrap(self.model) if self.gradient_reduction() == ddp.BACKEND else None
 
     def gradient_reduction(self) -> str:

@@ -80,20 +80,24 @@ class Trainer:
         self.device = self.router.device
         self.model = Qwen3(model_config, self.router, TPGroup(lay.tp_rank, lay.tp, lay.tp_group))
         self.model.load_full(state)
-        self.start_optimizer(model_config)
+        self.set_attention(model_config)
+        self.start_optimizer()
 
-    def start_optimizer(self, model_config: Qwen3Config) -> None:
+    def set_attention(self, model_config: Qwen3Config) -> None:
+        """The attention's softmax scale and KV block for the model's head_dim. The block is the
+        rollout's, and the CP chunks are cut at its multiples."""
+        self.scale = model_config.head_dim ** -0.5
+        self.block = kv_block_size(model_config.head_dim)
+
+    def start_optimizer(self) -> None:
         """fp32 master copies of the loaded parameters, zero AdamW moments, step 0: the state
-        the rank keeps for the whole run; and the attention's scale and KV block of the model."""
+        the rank keeps for the whole run."""
         self.params = dict(self.model.named_parameters())
         self.master = {n: p.detach().float().clone() for n, p in self.params.items()}
         self.exp_avg = {n: torch.zeros_like(m) for n, m in self.master.items()}
         self.exp_avg_sq = {n: torch.zeros_like(m) for n, m in self.master.items()}
         self.grads: dict[str, torch.Tensor] = {}
         self.steps = 0
-        self.scale = model_config.head_dim ** -0.5
-        # The KV block of this head_dim, as the rollout's: the CP chunks are cut at its multiples.
-        self.block = kv_block_size(model_config.head_dim)
 
     # -- one step -----------------------------------------------------------------------------
     def step(self, samples: list[Sample]) -> StepResult:
