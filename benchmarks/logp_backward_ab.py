@@ -1,13 +1,16 @@
-"""linear_logp_backward of two builds of the extension, on one GPU, in two processes (one build a
-process: both register the same operators):
+"""linear_logp_backward of two builds of the extension, on one CUDA GPU, in two processes (one build
+a process: both register the same operators):
 
     python benchmarks/logp_backward_ab.py save --dir D     # with the base build installed
     python benchmarks/logp_backward_ab.py compare --dir D  # with the new build installed
 
-`save` writes the gradients of two cases to D; `compare` holds its own to them with torch.equal and
-exits 3 where any differs. Both print the backward's median time at Qwen3's vocab (8192 tokens, H =
-4096, V = 151936) beside the production backward's (autograd through plain logits), timed
-alternately in the same process."""
+A build of a commit comes from `benchmarks/device_ext.sh` (a .so.gz), and is installed with
+`RLK_PREBUILT_EXTENSION=<the .so> pip install --no-deps --no-build-isolation -e .` or by copying it
+over rl_engine/_C*.so. `save` writes the gradients of two cases to D (about 2.6 GB: Qwen3's
+grad_weight is 151936 x 4096 fp32, also held in host memory); `compare` holds its own to them with
+torch.equal and exits 3 where any differs. Both print the backward's median time at Qwen3's vocab
+(8192 tokens, H = 4096, V = 151936) beside the production backward's (autograd through plain
+logits), timed alternately in the same process."""
 import argparse
 import statistics
 import sys
@@ -49,6 +52,8 @@ def main():
     ap.add_argument("mode", choices=("save", "compare"))
     ap.add_argument("--dir", type=Path, required=True, help="where `save` writes the gradients")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("logp_backward_ab: needs a CUDA GPU and a CUDA build of the extension (see the docstring)")
     if args.mode == "compare" and not all((args.dir / f"{n}.pt").exists() for n in CASES):
         sys.exit(f"logp_backward_ab: no saved gradients in {args.dir}; run `save` with the base build first")
     args.dir.mkdir(parents=True, exist_ok=True)
@@ -69,6 +74,10 @@ def main():
             same = torch.equal(gh, rh) and torch.equal(gw, rw)
             differ |= not same
             print(f"{name}: gradients {'equal' if same else 'DIFFER'} to the saved build's")
+            for what, a, b in (("grad_hidden", gh, rh), ("grad_weight", gw, rw)):
+                if not torch.equal(a, b):
+                    d = (a - b).abs()
+                    print(f"  {what}: {int((a != b).sum())} of {a.numel()} differ, max |diff| {d.max().item():.3g}")
         if name == "qwen3":
             leaves = [hidden.detach().requires_grad_(), weight.detach().requires_grad_()]
             out = production_selected_logp(*leaves, target)

@@ -19,9 +19,16 @@ def test_block_by_head_dim(head_dim, block):
     assert attention.kv_block_size(head_dim) == block
 
 
-def test_block_of_a_bad_head_dim_is_refused():
+def test_a_bad_head_dim_is_refused():
     with pytest.raises(ValueError, match="head_dim 0 must be positive"):
         attention.kv_block_size(0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_block_of_a_call_is_the_one_it_names_or_its_head_dims(head_dim):
+    q = torch.empty(3, HQ, head_dim)
+    assert attention.block_of(q) == attention.kv_block_size(head_dim)
+    assert attention.block_of(q, 16) == 16
 
 
 def sequence(n, d, seed):
