@@ -10,16 +10,17 @@ over rl_engine/_C*.so. `save` writes the gradients of two cases to D (about 2.6 
 grad_weight is 151936 x 4096 fp32, also held in host memory); `compare` holds its own to them with
 torch.equal and exits 3 where any differs. Both print the backward's median time at Qwen3's vocab
 (8192 tokens, H = 4096, V = 151936) beside the production backward's (autograd through plain
-logits), timed alternately in the same process."""
+logits), timed alternately in the same process (hopper_ops.time_pair: four rounds after two
+untimed ones)."""
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
+from hopper_ops import time_pair
 from rl_engine.ops import _lib
-from rl_engine.ops.logp import production_selected_logp
+from rl_engine.ops.logp import num_tiles, production_selected_logp
 
 CASES = {"qwen3": (8192, 4096, 151936), "odd": (1000, 520, 20011)}  # odd: chunk tails, padded rows
 
@@ -30,21 +31,8 @@ def inputs(ops, t, h, v):
     weight = (torch.randn(v, h, device="cuda", generator=g) * 0.02).bfloat16()
     target = torch.randint(0, v, (t,), device="cuda", generator=g)
     grad = torch.randn(t, device="cuda", generator=g)
-    m, s, tl = ops.linear_logp_partial(hidden, weight, target, 0, 256, 1 << (v // 256).bit_length())
+    m, s, tl = ops.linear_logp_partial(hidden, weight, target, 0, 256, num_tiles(v, 256))
     return hidden, weight, target, grad, ops.logp_combine(m[None], s[None], tl[None])[1]
-
-
-def median_ms(fns, rounds=6, skip=2):
-    """Median ms of each fn, the fns run in turn every round (the first `skip` rounds untimed)."""
-    times = [[] for _ in fns]
-    for r in range(rounds):
-        for i, fn in enumerate(fns):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record(), fn(), e1.record()
-            torch.cuda.synchronize()
-            if r >= skip:
-                times[i].append(e0.elapsed_time(e1))
-    return [statistics.median(t) for t in times]
 
 
 def main():
@@ -82,7 +70,7 @@ def main():
             leaves = [hidden.detach().requires_grad_(), weight.detach().requires_grad_()]
             out = production_selected_logp(*leaves, target)
             plain = lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)  # noqa: E731
-            r_ms, p_ms = median_ms([ours, plain])
+            r_ms, p_ms = time_pair(ours, plain, repeats=4, warmup=2)
             print(f"{name}: backward {r_ms:.2f} ms, production {p_ms:.2f} ms, ratio {p_ms / r_ms:.3f}")
     sys.exit(3 if differ else 0)
 
