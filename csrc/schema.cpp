@@ -22,6 +22,12 @@ TORCH_LIBRARY(rl_engine, m) {
   m.def("det_gemm_grad_input(Tensor grad_y, Tensor w) -> Tensor");
   // dw[N,K] = dy[M,N]^T @ x[M,K]; reduction over rows m in index order. Output fp32 (main grad).
   m.def("det_gemm_grad_weight(Tensor grad_y, Tensor x) -> Tensor");
+  // Not routed: the hooks through which benchmarks/det_gemm_plans.py and the CUDA tests reach every
+  // plan (tile, and where the K ranges meet) the sm_90a det_gemm could run for x [..., K] and
+  // w [N, K]. _det_gemm_plans lists them, the one det_gemm picks first, as [bm, bn, swapped, across]
+  // per plan, flattened; _det_gemm_on_plan is det_gemm (no bias) on one of them. CUDA only.
+  m.def("_det_gemm_plans(Tensor x, Tensor w) -> int[]");
+  m.def("_det_gemm_on_plan(Tensor x, Tensor w, int[] plan) -> Tensor");
 
   // out[r,i] = x[r,i] * rstd[r] * w[i], rstd[r] = 1/sqrt(mean_i(x[r,i]^2) + eps), in fp32 with one
   // downcast. x is [R, H] (any leading dims flattened to rows); rstd is fp32 [R].

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <climits>
+#include <vector>
 
 #include "cuda/det_gemm_instances.h"
 #include "cuda/glue.cuh"
@@ -55,7 +56,8 @@ int64_t leading_rows(const at::Tensor& t) {
 }  // namespace
 
 void gemm_into(const at::Tensor& a, const at::Tensor& b, at::Tensor& out,
-               const std::optional<at::Tensor>& bias, bool accumulate, const char* op, bool split_k) {
+               const std::optional<at::Tensor>& bias, bool accumulate, const char* op, bool split_k,
+               const GemmPlan* forced) {
   const int64_t m = a.size(0), n = b.size(0), k = a.size(1);
   TORCH_CHECK(m <= INT_MAX && n <= INT_MAX && k <= INT_MAX, op, ": dimensions beyond 2^31 - 1");
   TORCH_INTERNAL_ASSERT(out.size(0) == m && out.size(1) == n && out.stride(1) == 1 && b.size(1) == k);
@@ -70,7 +72,7 @@ void gemm_into(const at::Tensor& a, const at::Tensor& b, at::Tensor& out,
   at::Tensor a2, b2;
   GemmPlan plan{};
   if (tensor_cores) {
-    plan = plan_det_gemm(g.m, g.n, g.k, sm_count(), split_k);
+    plan = forced != nullptr ? *forced : plan_det_gemm(g.m, g.n, g.k, sm_count(), split_k);
     const bool in_place = gemm_reads_mn_major(plan.tile);
     g.b_mn = in_place && mn_major_view(b);
     g.a_mn = g.b_mn && mn_major_view(a);
@@ -158,9 +160,75 @@ at::Tensor det_gemm_grad_weight(const at::Tensor& grad_y, const at::Tensor& x) {
   return dw;
 }
 
+// The plans det_gemm could run for x [..., K] and w [N, K] on this device (det_gemm_plan_options),
+// plan_det_gemm's pick first, each as (bm, bn, swapped, ranges met across CTAs).
+std::vector<GemmPlan> plan_options(const at::Tensor& x, const at::Tensor& w, const char* op) {
+  check_float(x, op, "x");
+  check_float(w, op, "w");
+  TORCH_CHECK(w.dim() == 2 && x.dim() >= 1 && x.size(-1) == w.size(1), op, ": x [..., K] and w [N, K] "
+              "must agree on K, got x ", x.sizes(), " and w ", w.sizes());
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() && x.scalar_type() != at::kFloat, op, ": the plans are "
+              "those of the sm_90a kernel, which takes bf16 or fp16 x and w of one dtype; got ",
+              x.scalar_type(), " and ", w.scalar_type());
+  const int64_t m = leading_rows(x), n = w.size(0), k = w.size(1);
+  TORCH_CHECK(m > 0 && n > 0 && k > 0 && m <= INT_MAX && n <= INT_MAX && k <= INT_MAX, op,
+              ": M, N and K must be between 1 and 2^31 - 1, got ", m, ", ", n, " and ", k);
+  GemmPlan all[kGemmPlanOptions];
+  const int count = det_gemm_plan_options(static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), all);
+  const GemmPlan pick = plan_det_gemm(static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), sm_count(),
+                                      /*split_k=*/true);
+  auto same = [](const GemmPlan& a, const GemmPlan& b) {
+    return a.tile.bm == b.tile.bm && a.tile.bn == b.tile.bn && a.tile.swap == b.tile.swap &&
+           a.split.across == b.split.across;
+  };
+  std::vector<GemmPlan> plans{pick};
+  for (int i = 0; i < count; ++i) {
+    if (!same(all[i], pick)) plans.push_back(all[i]);
+  }
+  TORCH_INTERNAL_ASSERT(static_cast<int>(plans.size()) == count, op, ": plan_det_gemm picked a plan "
+                        "det_gemm_plan_options does not list");
+  return plans;
+}
+
+std::vector<int64_t> det_gemm_plans(const at::Tensor& x, const at::Tensor& w) {
+  c10::cuda::CUDAGuard guard(x.device());
+  std::vector<int64_t> flat;
+  for (const GemmPlan& p : plan_options(x, w, "rl_engine::_det_gemm_plans")) {
+    flat.insert(flat.end(), {int64_t{p.tile.bm}, int64_t{p.tile.bn}, int64_t{p.tile.swap}, int64_t{p.split.across}});
+  }
+  return flat;
+}
+
+at::Tensor det_gemm_on_plan(const at::Tensor& x, const at::Tensor& w, at::IntArrayRef plan) {
+  constexpr const char* op = "rl_engine::_det_gemm_on_plan";
+  check_on(w, x, op, "w");
+  c10::cuda::CUDAGuard guard(x.device());
+  TORCH_CHECK(plan.size() == 4, op, ": plan is [bm, bn, swapped, across] as _det_gemm_plans lists it, got ",
+              plan);
+  const std::vector<GemmPlan> plans = plan_options(x, w, op);
+  const GemmPlan* chosen = nullptr;
+  for (const GemmPlan& p : plans) {
+    if (p.tile.bm == plan[0] && p.tile.bn == plan[1] && p.tile.swap == (plan[2] != 0) &&
+        p.split.across == (plan[3] != 0)) {
+      chosen = &p;
+    }
+  }
+  TORCH_CHECK(chosen != nullptr, op, ": ", plan, " is not a plan of x ", x.sizes(), " and w ", w.sizes(),
+              "; take one that _det_gemm_plans lists");
+  count_launch(kDetGemm, kCuda);
+  const int64_t k = w.size(1), n = w.size(0), m = leading_rows(x);
+  auto y = at::empty({m, n}, x.options());
+  gemm_into(x.reshape({m, k}), w, y, std::nullopt, false, op, /*split_k=*/true, chosen);
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  return y.reshape(sizes);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rl_engine, CUDA, m) {
+  m.impl("_det_gemm_plans", &det_gemm_plans);
+  m.impl("_det_gemm_on_plan", &det_gemm_on_plan);
   m.impl("det_gemm", &det_gemm);
   m.impl("det_gemm_grad_input", &det_gemm_grad_input);
   m.impl("det_gemm_grad_weight", &det_gemm_grad_weight);

@@ -78,11 +78,16 @@ inline at::Tensor transposed_rows(const at::Tensor& t, const char* op) {
   return buf.narrow(1, 0, rows);
 }
 
+struct GemmPlan;  // include/rl_engine/cuda/det_gemm.cuh
+
 // out[m, n] (=|+=) a[m, k] . b[n, k]^T (+ bias[n]): bf16/fp16 pairs go to the sm_90a kernel, anything
 // else to the fp32 kernel after an exact upcast. out may be a row-strided view; bias is fp32.
 // split_k: K in ranges chosen by N and K (plan_det_gemm), or in one range for a product that must
 // repeat an unsplit kernel's bits (linear_logp's logits recompute). fp32 operands ignore it.
+// plan: one of det_gemm_plan_options' plans to run instead of plan_det_gemm's pick (the hook through
+// which the benchmark and the tests reach every plan); split_k is then ignored.
 void gemm_into(const at::Tensor& a, const at::Tensor& b, at::Tensor& out,
-               const std::optional<at::Tensor>& bias, bool accumulate, const char* op, bool split_k);
+               const std::optional<at::Tensor>& bias, bool accumulate, const char* op, bool split_k,
+               const GemmPlan* plan = nullptr);
 
 }  // namespace rl_engine::cuda

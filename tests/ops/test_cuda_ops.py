@@ -82,6 +82,35 @@ def test_det_gemm_every_tile_gives_the_same_bits(ops):
                 assert torch.equal(out, y[off:off + m]), (n, m, off)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n, k", [(1000, 1000), (4232, 520)])  # K in 4 ranges; in one
+def test_det_gemm_every_plan_gives_the_same_bits(ops, n, k, dtype):
+    """Every plan det_gemm could run (_det_gemm_plans: each tile, swapped up to M = 256, and where K
+    is split the ranges meeting across CTAs or within them) gives det_gemm's bits, so
+    benchmarks/det_gemm_plans.py may time them all and the tile choice may take any of them."""
+    x, w = randn(1100, k, dtype=dtype, seed=13), randn(n, k, dtype=dtype, seed=14)
+    split = gemm_split(n, k)[0] > 1
+    for m in (1, 3, 17, 64, 100, 256, 1000):
+        xm = x[1100 - m:]
+        want = ops.det_gemm(xm, w, None)
+        flat = ops._det_gemm_plans(xm, w)
+        plans = [tuple(flat[i:i + 4]) for i in range(0, len(flat), 4)]
+        assert len(set(plans)) == len(plans) == 9 + 3 * (m <= 256) + 6 * split, (m, plans)
+        assert all(across == split for _, _, swapped, across in plans if swapped), plans
+        for plan in plans:
+            assert torch.equal(ops._det_gemm_on_plan(xm, w, list(plan)), want), (m, plan)
+
+
+def test_det_gemm_on_plan_refuses_what_it_cannot_run(ops):
+    x, w = randn(4, 64), randn(4096, 64)
+    with pytest.raises(RuntimeError, match=r"not a plan of x .*take one that _det_gemm_plans lists"):
+        ops._det_gemm_on_plan(x, w, [64, 128, 0, 1])  # K in one range: nothing meets across CTAs
+    with pytest.raises(RuntimeError, match=r"plan is \[bm, bn, swapped, across\]"):
+        ops._det_gemm_on_plan(x, w, [64, 128])
+    with pytest.raises(RuntimeError, match="bf16 or fp16 x and w of one dtype"):
+        ops._det_gemm_plans(x.float(), w.float())
+
+
 def gemm_split(n, k):
     """choose_gemm_split of det_gemm.cuh: the K ranges' count and length (in K elements). Up to
     N = 3072, about 6144 / N ranges (at most 8) of whole 256-wide units; wider N, one range."""

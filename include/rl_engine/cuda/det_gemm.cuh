@@ -758,6 +758,42 @@ inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms, bool split_k) {
   return p;
 }
 
+// Every plan launch_det_gemm_planned can run for (m, n, k), plan_det_gemm's pick among them: K in
+// choose_gemm_split's ranges (fixed by N and K) on each unswapped tile the launcher instantiates,
+// the ranges meeting across CTAs; up to M = 256 the swapped tiles of 64, 32 and 16 weight rows, M
+// rounded up to 8, 16, 32 or 64 as their narrow side; and where K is split, gemm_two_sum_tile's
+// tiles with the ranges met within each CTA. The tile choice is free only because no plan changes a
+// row's bits: benchmarks/det_gemm_plans.py times every plan against cuBLAS and the CUDA tests hold
+// each to the pick's bits. Returns how many plans it wrote to out (at most kGemmPlanOptions).
+constexpr int kGemmPlanOptions = 24;
+inline int det_gemm_plan_options(int m, int n, int k, GemmPlan* out) {
+  static constexpr GemmTile kTiles[] = {{128, 256, false}, {128, 192, false}, {128, 160, false},
+                                        {128, 128, false}, {128, 64, false},  {128, 32, false},
+                                        {64, 128, false},  {64, 64, false},   {64, 32, false}};
+  static constexpr GemmTile kTwoSum[] = {{128, 160, false}, {128, 128, false}, {128, 64, false},
+                                         {128, 32, false},  {64, 64, false},   {64, 32, false}};
+  static_assert(sizeof(kTiles) / sizeof(kTiles[0]) + 3 + sizeof(kTwoSum) / sizeof(kTwoSum[0]) <= kGemmPlanOptions,
+                "every plan fits in out");
+  const GemmSplit split = choose_gemm_split(n, k);
+  const bool split_k = split.splits > 1;
+  int count = 0;
+  auto add = [&](GemmTile t, bool across) {
+    GemmPlan p{t, split, 0};
+    p.split.across = across;
+    if (across) p.scratch_floats = static_cast<int64_t>(split.splits) * m * n;
+    out[count++] = p;
+  };
+  for (const GemmTile& t : kTiles) add(t, split_k);
+  if (m <= 256) {
+    const int narrow = m <= 8 ? 8 : m <= 16 ? 16 : m <= 32 ? 32 : 64;
+    for (const int bm : {64, 32, 16}) add({bm, narrow, true}, split_k);
+  }
+  if (split_k) {
+    for (const GemmTile& t : kTwoSum) add(t, false);
+  }
+  return count;
+}
+
 // The configuration of a launch with programmatic stream serialization (see the top of this file).
 struct PdlLaunch {
   cudaLaunchAttribute attr[1];

@@ -1,0 +1,147 @@
+"""Every plan det_gemm could run against cuBLAS, on one GPU: which tile, and which place for the K
+ranges to meet, is fastest at each of benchmarks/hopper_ops.py's shapes and token counts.
+
+det_gemm's tile choice (choose_gemm_tile in include/rl_engine/cuda/det_gemm.cuh) may look at M
+because no tile changes a row's bits; the K ranges are fixed by N and K. This script times each
+plan the kernel can run (the extension's _det_gemm_plans) as hopper_ops.py times det_gemm: a CUDA
+graph cycling through copies of the weight that do not fit in L2 together, replayed alternately
+with cuBLAS (F.linear), medians of CUDA-event timings. Each row records the plan det_gemm picks,
+the fastest plan, both ratios (cuBLAS time / ours), and under `targets` how many rows of each
+det_gemm speed target (benchmarks/hopper_targets.py) the pick meets and how many the fastest plans
+would. Every plan's output is compared with det_gemm's, bit for bit.
+
+    python benchmarks/det_gemm_plans.py [--out results.json] [--repeats 10] [--shapes 4b_o,4b_kv]
+                                        [--m 64,128,256]
+
+Exit status 3 when some plan gave other bits than det_gemm (the JSON is written first, naming it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import rl_engine.ops  # noqa: F401  (loads the extension)
+from hopper_ops import GEMM_M, GEMM_SHAPES, L2_BYTES, randn, time_graphs
+from hopper_targets import judge
+from provenance import add_source_args, source_of
+from rl_engine.artifacts import files
+from rl_engine.ops import _lib
+
+RESULT = Path(__file__).resolve().parent / "results" / "det_gemm_plans.json"
+# Plans within this share of the pick's time are not called faster: two timings of one plan differ
+# by about that much from run to run.
+NOISE = 0.02
+
+
+def plan_name(plan) -> str:
+    """[bm, bn, swapped, across] as '128x64', '64x16 swapped', '64x32 across'."""
+    bm, bn, swapped, across = plan
+    return f"{bm}x{bn}" + (" swapped" if swapped else "") + (" across" if across else "")
+
+
+def plans_of(ops, x, w) -> list[list[int]]:
+    flat = ops._det_gemm_plans(x, w)
+    return [list(flat[i:i + 4]) for i in range(0, len(flat), 4)]
+
+
+def best_of(plans: list[dict]) -> dict:
+    """The fastest plan: the pick unless another is faster by more than NOISE."""
+    pick = plans[0]
+    fastest = min(plans, key=lambda p: p["r_ms"])
+    return fastest if fastest["r_ms"] < (1 - NOISE) * pick["r_ms"] else pick
+
+
+def row_summary(shape: str, m: int, n: int, k: int, plans: list[dict]) -> dict:
+    best = best_of(plans)
+    return dict(op="det_gemm", shape=shape, m=m, n=n, k=k, pick=plans[0]["plan"], pick_ratio=plans[0]["ratio"],
+                best=best["plan"], best_ratio=best["ratio"], speedup_of_best=plans[0]["r_ms"] / best["r_ms"],
+                bits_equal=all(p["bits_equal"] for p in plans), plans=plans)
+
+
+def targets(rows: list[dict]) -> dict:
+    """The det_gemm ratio targets judged on the picks and on the fastest plans."""
+    def verdicts(key):
+        got = judge(dict(gemm=[dict(op="det_gemm", shape=r["shape"], m=r["m"], ratio=r[key]) for r in rows]))
+        return {name: got[name] for name in ("det_gemm_ratio_decode_m", "det_gemm_ratio_large_m")}
+    return dict(pick=verdicts("pick_ratio"), best=verdicts("best_ratio"))
+
+
+def sweep(ops, shapes, ms, repeats) -> list[dict]:
+    rows = []
+    for name, n, k in shapes:
+        wbytes = n * k * 2
+        ws = [randn(n, k, scale=0.02) for _ in range(min(24, max(2, -(-3 * L2_BYTES // wbytes))))]
+        x = randn(max(ms), k)
+        for m in ms:
+            xm = x[:m]
+            want = ops.det_gemm(xm, ws[0], None)
+            calls = max(4, len(ws)) if m <= 1024 else 2
+            timed = []
+            for plan in plans_of(ops, xm, ws[0]):
+                same = torch.equal(ops._det_gemm_on_plan(xm, ws[0], plan), want)
+                r_ms, p_ms = time_graphs(
+                    [lambda w=ws[i % len(ws)], p=plan: ops._det_gemm_on_plan(xm, w, p) for i in range(calls)],
+                    [lambda w=ws[i % len(ws)]: F.linear(xm, w) for i in range(calls)], repeats)
+                timed.append(dict(plan=plan_name(plan), r_ms=r_ms, p_ms=p_ms, ratio=p_ms / r_ms, bits_equal=same))
+            row = row_summary(name, m, n, k, timed)
+            rows.append(row)
+            print(f"{name:10s} m={m:5d} pick {row['pick']:18s} {row['pick_ratio']:.3f}  best {row['best']:18s} "
+                  f"{row['best_ratio']:.3f}" + ("" if row["bits_equal"] else "  BITS DIFFER"), flush=True)
+        del ws, x
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=RESULT)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--shapes", default=",".join(s[0] for s in GEMM_SHAPES),
+                    help="which of hopper_ops.py's shapes, by name")
+    ap.add_argument("--m", default=",".join(map(str, GEMM_M)), help="token counts (comma-separated)")
+    add_source_args(ap)
+    args = ap.parse_args()
+    known = {s[0]: s for s in GEMM_SHAPES}
+    unknown = [s for s in args.shapes.split(",") if s not in known]
+    if unknown:
+        sys.exit(f"det_gemm_plans: unknown shape(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    try:
+        ms = sorted({int(m) for m in args.m.split(",")})
+    except ValueError:
+        sys.exit(f"det_gemm_plans: --m {args.m!r} is not a comma-separated list of token counts")
+    if ms[0] < 1:
+        sys.exit(f"det_gemm_plans: --m {args.m!r}: token counts start at 1")
+    if not torch.cuda.is_available():
+        sys.exit("det_gemm_plans: needs a CUDA GPU (an sm_90a one, with the extension built for it)")
+    ops = _lib.ops()
+    if not ops.det_gemm_sm90_compiled():
+        sys.exit("det_gemm_plans: this extension was built without its sm_90a kernels; build it on a "
+                 "machine with nvcc (pip install -e .)")
+    torch.manual_seed(0)
+    x = randn(8192, 8192)
+    for _ in range(200):  # ~1 s of matrix work first: clocks up before anything is timed
+        x @ x
+    del x
+    source = source_of(args, Path(__file__).resolve().parent)
+    rows = sweep(ops, [known[s] for s in args.shapes.split(",")], ms, args.repeats)
+    result = dict(source=source, device=torch.cuda.get_device_name(), torch=torch.__version__,
+                  cuda=torch.version.cuda, build=json.loads(ops.build_info()),
+                  ratio="median cuBLAS time / median time of the plan (above 1: the plan is faster)",
+                  noise=NOISE, rows=rows, targets=targets(rows))
+    files.write_json(args.out, result)
+    for basis, verdicts in result["targets"].items():
+        for name, v in verdicts.items():
+            print(f"{basis:4s} {name} {v['target']:g}: {v['rows_met']} of {v['rows']} rows; worst {v['worst']}")
+    bad = [f"{r['shape']} m={r['m']} {p['plan']}" for r in rows for p in r["plans"] if not p["bits_equal"]]
+    if bad:
+        print(f"det_gemm_plans: these plans gave other bits than det_gemm: {'; '.join(bad)}", file=sys.stderr)
+        sys.exit(3)
+
+
+if __name__ == "__main__":
+    main()
