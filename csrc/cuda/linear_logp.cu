@@ -133,15 +133,14 @@ std::tuple<at::Tensor, at::Tensor> logp_combine(const at::Tensor& max, const at:
   return {logp, lse};
 }
 
-template <typename T>
+// dlogit of the fp32 path, from a chunk's logits in memory.
 void launch_dlogit(const at::Tensor& lg, int64_t id0, const at::Tensor& tgt, const at::Tensor& lse,
                    const at::Tensor& grad, at::Tensor& dl, const char* op) {
   const int64_t total = dl.numel();
   const int grid = static_cast<int>(std::min<int64_t>((total + 255) / 256, sm_count() * 16LL));
-  rlk_linear_logp_dlogit_kernel<T><<<grid, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+  rlk_linear_logp_dlogit_kernel<float><<<grid, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
       lg.data_ptr<float>(), lg.stride(0), lg.size(0), static_cast<int>(lg.size(1)), dl.size(1), id0,
-      tgt.data_ptr<int64_t>(), lse.data_ptr<float>(), grad.data_ptr<float>(),
-      reinterpret_cast<T*>(dl.data_ptr()));
+      tgt.data_ptr<int64_t>(), lse.data_ptr<float>(), grad.data_ptr<float>(), dl.data_ptr<float>());
   check_launch(cudaGetLastError(), op);
 }
 
@@ -194,15 +193,16 @@ std::tuple<at::Tensor, at::Tensor> linear_logp_backward(const at::Tensor& grad_l
   for (int64_t c0 = 0; c0 < v_local; c0 += kBackwardChunk) {
     const int64_t vc = std::min(kBackwardChunk, v_local - c0);
     const auto wc = ws.narrow(0, c0, vc);
+    // Rows padded to 16 bytes for the next GEMMs' tensor maps, which end at column vc: the padding
+    // is never read, so it is left as allocated.
     auto dl = at::empty({t_dim, round_up(vc, align)}, hidden.options().dtype(dtype));
-    if (dl.size(1) > vc) dl.narrow(1, vc, dl.size(1) - vc).zero_();  // the next GEMM's row padding
     switch (dtype) {
       case at::kBFloat16: launch_dlogit_gemm<__nv_bfloat16>(h2, wc, vocab_start + c0, tgt, l, g, dl, op); break;
       case at::kHalf: launch_dlogit_gemm<__half>(h2, wc, vocab_start + c0, tgt, l, g, dl, op); break;
       default: {
         auto lg = logits.narrow(1, 0, vc);
         gemm_into(hs, wc, lg, std::nullopt, false, op, /*split_k=*/false);  // the forward's logits
-        launch_dlogit<float>(lg, vocab_start + c0, tgt, l, g, dl, op);
+        launch_dlogit(lg, vocab_start + c0, tgt, l, g, dl, op);
       }
     }
     const auto dlv = dl.narrow(1, 0, vc);

@@ -131,7 +131,8 @@ struct LogpTileEpilogue {
 // Backward: the recomputed logit tile turned into dlogit[r, c] = grad[r] * (1[id0 + c == target[r]] -
 // exp(logit - lse[r])) in registers and stored rounded once to Out, so the chunk's fp32 logits
 // never reach memory. The same operations on the same fp32 logits as
-// rlk_linear_logp_dlogit_kernel, so the same bits.
+// rlk_linear_logp_dlogit_kernel, so the same bits; both spell them as round-to-nearest intrinsics,
+// which the compiler may not fuse into other operations, so that it cannot compile the two apart.
 template <typename Out>
 struct DlogitEpilogue {
   StoreEpilogue<Out> store;  // dlogit [T, ldd] of one vocab chunk, no bias, no accumulate
@@ -168,8 +169,8 @@ struct DlogitEpilogue {
         for (int h = 0; h < 2; ++h) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float p = __expf(acc[4 * j + 2 * h + e] - l[h]);
-            d[4 * i + 2 * h + e] = g[h] * ((cq + 8 * j + e == tc[h] ? 1.f : 0.f) - p);
+            const float p = __expf(__fsub_rn(acc[4 * j + 2 * h + e], l[h]));
+            d[4 * i + 2 * h + e] = __fmul_rn(g[h], __fsub_rn(cq + 8 * j + e == tc[h] ? 1.f : 0.f, p));
           }
         }
       }
@@ -268,8 +269,8 @@ __global__ void rlk_linear_logp_dlogit_kernel(const float* logits, int64_t ld, i
     const int c = static_cast<int>(i % ldd);
     float d = 0.f;
     if (c < cols) {
-      const float p = __expf(logits[r * ld + c] - lse[r]);
-      d = grad[r] * ((id0 + c == target[r] ? 1.f : 0.f) - p);
+      const float p = __expf(__fsub_rn(logits[r * ld + c], lse[r]));
+      d = __fmul_rn(grad[r], __fsub_rn(id0 + c == target[r] ? 1.f : 0.f, p));
     }
     dl[i] = from_float<Out>(d);
   }
