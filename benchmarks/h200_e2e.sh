@@ -4,8 +4,8 @@
 # attention tests and benchmark, strict R/R steps of the `small` model at TP=2 and CP=2 (traced,
 # then the trace check), the attention parity gate on two GPUs, the R/R-over-P/P step-time benchmark, the
 # ablation matrix, the attention parity gate at TP=2, a traced R/R step on one GPU, the Megatron-core
-# trainer (traced R/R, step time, its DDP test), the Hopper ops' tests and speed, their Nsight
-# Compute profiles, and every CUDA test.
+# trainer (traced R/R, step time, its DDP test), the Hopper ops' tests and speed (with every plan
+# of det_gemm), their Nsight Compute profiles, and every CUDA test.
 # Every step has its own time limit and leaves its log and JSON under $OUT, so a run that is cut
 # short still returns what it finished; steps.tsv says how each step ended.
 #
@@ -87,6 +87,8 @@ step megatron-ddp 300 "$PY" -m pytest -q -p no:cacheprovider tests/adapters/test
 # speed of every op against its production twin.
 step ops-tests 400 "$PY" -m pytest -q -p no:cacheprovider tests/ops/test_cuda_ops.py
 step hopper-ops 400 "$PY" benchmarks/hopper_ops.py --out "$OUT/hopper_ops.json"
+# Every plan det_gemm could run, against cuBLAS: where the tile choice leaves speed behind.
+step det-gemm-plans 400 "$PY" benchmarks/det_gemm_plans.py --out "$OUT/det_gemm_plans.json"
 # What bounds the kernels that miss their speed targets: Nsight Compute's figures for each.
 step ncu-profile 600 "$PY" benchmarks/ncu_profile.py --out "$OUT/ncu_profile.json"
 # The modules that hold CUDA tests (the others need Airflow, Ray or FastAPI, not installed there).

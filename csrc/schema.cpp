@@ -25,7 +25,8 @@ TORCH_LIBRARY(rl_engine, m) {
   // Not routed: the hooks through which benchmarks/det_gemm_plans.py and the CUDA tests reach every
   // plan (tile, and where the K ranges meet) the sm_90a det_gemm could run for x [..., K] and
   // w [N, K]. _det_gemm_plans lists them, the one det_gemm picks first, as [bm, bn, swapped, across]
-  // per plan, flattened; _det_gemm_on_plan is det_gemm (no bias) on one of them. CUDA only.
+  // per plan, flattened; _det_gemm_on_plan is det_gemm (no bias) on one of them, counted as a
+  // det_gemm launch. CUDA only, M >= 1.
   m.def("_det_gemm_plans(Tensor x, Tensor w) -> int[]");
   m.def("_det_gemm_on_plan(Tensor x, Tensor w, int[] plan) -> Tensor");
 

@@ -72,6 +72,8 @@ void gemm_into(const at::Tensor& a, const at::Tensor& b, at::Tensor& out,
   at::Tensor a2, b2;
   GemmPlan plan{};
   if (tensor_cores) {
+    TORCH_INTERNAL_ASSERT(forced == nullptr || is_det_gemm_plan_option(g.m, g.n, g.k, *forced), op,
+                          ": the forced plan is not one of det_gemm_plan_options'");
     plan = forced != nullptr ? *forced : plan_det_gemm(g.m, g.n, g.k, sm_count(), split_k);
     const bool in_place = gemm_reads_mn_major(plan.tile);
     g.b_mn = in_place && mn_major_view(b);
@@ -160,11 +162,11 @@ at::Tensor det_gemm_grad_weight(const at::Tensor& grad_y, const at::Tensor& x) {
   return dw;
 }
 
-// The plans det_gemm could run for x [..., K] and w [N, K] on this device (det_gemm_plan_options),
-// plan_det_gemm's pick first, each as (bm, bn, swapped, ranges met across CTAs).
-std::vector<GemmPlan> plan_options(const at::Tensor& x, const at::Tensor& w, const char* op) {
+// x [..., K] and w [N, K] as the sm_90a kernel takes them: bf16 or fp16 of one dtype, on one device.
+void check_plan_inputs(const at::Tensor& x, const at::Tensor& w, const char* op) {
   check_float(x, op, "x");
   check_float(w, op, "w");
+  check_on(w, x, op, "w");
   TORCH_CHECK(w.dim() == 2 && x.dim() >= 1 && x.size(-1) == w.size(1), op, ": x [..., K] and w [N, K] "
               "must agree on K, got x ", x.sizes(), " and w ", w.sizes());
   TORCH_CHECK(x.scalar_type() == w.scalar_type() && x.scalar_type() != at::kFloat, op, ": the plans are "
@@ -173,10 +175,15 @@ std::vector<GemmPlan> plan_options(const at::Tensor& x, const at::Tensor& w, con
   const int64_t m = leading_rows(x), n = w.size(0), k = w.size(1);
   TORCH_CHECK(m > 0 && n > 0 && k > 0 && m <= INT_MAX && n <= INT_MAX && k <= INT_MAX, op,
               ": M, N and K must be between 1 and 2^31 - 1, got ", m, ", ", n, " and ", k);
+}
+
+// The plans det_gemm could run for x and w on the current device (det_gemm_plan_options),
+// plan_det_gemm's pick first.
+std::vector<GemmPlan> plan_options(const at::Tensor& x, const at::Tensor& w, const char* op) {
+  const int m = static_cast<int>(leading_rows(x)), n = static_cast<int>(w.size(0)), k = static_cast<int>(w.size(1));
   GemmPlan all[kGemmPlanOptions];
-  const int count = det_gemm_plan_options(static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), all);
-  const GemmPlan pick = plan_det_gemm(static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), sm_count(),
-                                      /*split_k=*/true);
+  const int count = det_gemm_plan_options(m, n, k, all);
+  const GemmPlan pick = plan_det_gemm(m, n, k, sm_count(), /*split_k=*/true);
   auto same = [](const GemmPlan& a, const GemmPlan& b) {
     return a.tile.bm == b.tile.bm && a.tile.bn == b.tile.bn && a.tile.swap == b.tile.swap &&
            a.split.across == b.split.across;
@@ -190,10 +197,13 @@ std::vector<GemmPlan> plan_options(const at::Tensor& x, const at::Tensor& w, con
   return plans;
 }
 
+// Each plan as (bm, bn, swapped, ranges met across CTAs), flattened.
 std::vector<int64_t> det_gemm_plans(const at::Tensor& x, const at::Tensor& w) {
+  constexpr const char* op = "rl_engine::_det_gemm_plans";
+  check_plan_inputs(x, w, op);
   c10::cuda::CUDAGuard guard(x.device());
   std::vector<int64_t> flat;
-  for (const GemmPlan& p : plan_options(x, w, "rl_engine::_det_gemm_plans")) {
+  for (const GemmPlan& p : plan_options(x, w, op)) {
     flat.insert(flat.end(), {int64_t{p.tile.bm}, int64_t{p.tile.bn}, int64_t{p.tile.swap}, int64_t{p.split.across}});
   }
   return flat;
@@ -201,10 +211,10 @@ std::vector<int64_t> det_gemm_plans(const at::Tensor& x, const at::Tensor& w) {
 
 at::Tensor det_gemm_on_plan(const at::Tensor& x, const at::Tensor& w, at::IntArrayRef plan) {
   constexpr const char* op = "rl_engine::_det_gemm_on_plan";
-  check_on(w, x, op, "w");
-  c10::cuda::CUDAGuard guard(x.device());
+  check_plan_inputs(x, w, op);
   TORCH_CHECK(plan.size() == 4, op, ": plan is [bm, bn, swapped, across] as _det_gemm_plans lists it, got ",
               plan);
+  c10::cuda::CUDAGuard guard(x.device());
   const std::vector<GemmPlan> plans = plan_options(x, w, op);
   const GemmPlan* chosen = nullptr;
   for (const GemmPlan& p : plans) {

@@ -33,12 +33,26 @@ def test_plan_names(plans):
     assert plans.plan_name([64, 32, 0, 1]) == "64x32 across"
 
 
-def test_another_plan_is_best_only_when_faster_than_the_noise(plans):
+def test_another_plan_is_best_only_when_its_ratio_beats_the_noise(plans):
     pick = timed("64x128", 1.00)
     assert plans.best_of([pick, timed("128x128", 0.99)]) is pick  # 1%: within the noise
     faster = timed("128x64", 0.90)
     assert plans.best_of([pick, timed("128x128", 0.99), faster]) is faster
     assert plans.best_of([timed("64x32", 1.0), timed("64x64", 1.5)])["plan"] == "64x32"
+    # Ratios, not times: a plan timed while cuBLAS also ran slower is no faster.
+    assert plans.best_of([pick, timed("128x64", 0.90, p_ms=0.90)]) is pick
+
+
+def test_a_plan_with_other_bits_or_an_error_is_never_best(plans):
+    pick = timed("64x128", 1.00)
+    assert plans.best_of([pick, timed("128x64", 0.5, same=False)]) is pick
+    assert plans.best_of([pick, dict(plan="128x32", bits_equal=True, error="launch failed")]) is pick
+    broken = dict(plan="64x128", error="launch failed")
+    other = timed("128x64", 1.2)
+    assert plans.best_of([broken, other]) is other
+    row = plans.row_summary("4b_kv", 8, 1024, 2560, [broken, other])
+    assert (row["pick_ratio"], row["speedup_of_best"], row["bits_equal"]) == (None, None, False)
+    assert plans.targets([row])["pick"]["det_gemm_ratio_decode_m"]["rows"] == 0
 
 
 def test_rows_and_targets_judge_the_picks_and_the_fastest_plans(plans):
@@ -57,7 +71,9 @@ def test_rows_and_targets_judge_the_picks_and_the_fastest_plans(plans):
     decode, large = "det_gemm_ratio_decode_m", "det_gemm_ratio_large_m"
     assert (got["pick"][decode]["rows_met"], got["best"][decode]["rows_met"]) == (1, 2)
     assert got["pick"][decode]["worst"] == "4b_o m=128: 0.8"
-    assert (got["pick"][large]["rows_met"], got["best"][large]["rows_met"]) == (1, 1)
+    # The square pick meets 0.95 but gave other bits: the best plan there is the 128 x 192 one.
+    assert (got["pick"][large]["rows_met"], got["best"][large]["rows_met"]) == (1, 0)
+    assert rows[3]["best"] == "128x192"
     assert got["best"][large]["worst"] == "4b_o m=256: 0.8333"
 
 
@@ -73,6 +89,8 @@ def test_bad_arguments_are_named_before_any_gpu_work():
     assert got.returncode != 0 and "token counts start at 1" in got.stderr
     got = run("--m", "16,x")
     assert got.returncode != 0 and "is not a comma-separated list" in got.stderr
+    got = run("--repeats", "0")
+    assert got.returncode != 0 and "time each plan at least once" in got.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")

@@ -62,7 +62,8 @@ def test_det_gemm_rows_do_not_depend_on_batch_or_position(ops, dtype):
 # tiles at N = 576, 128 x 64 at N = 584), and within a CTA elsewhere, on every tile that keeps a
 # second accumulator (128 rows by 32 at M = 300, by 64 at 520, by 128 and 160; 64 rows by 32, and
 # by 64 at N = 264). Not reachable here: 128 x 160 across CTAs (K of 2048 and more) and the 16-row
-# slabs unsplit (only products that keep K in one range).
+# slabs unsplit (only products that keep K in one range); test_det_gemm_every_plan_gives_the_same_bits
+# runs those and every other plan directly.
 GEMM_TILE_NS = (264, 576, 584, 1024, 2048, 2176, 2560, 4096, 4232, 8448, 16896, 16904, 33792)
 GEMM_ROW_MS = (1, 2, 3, 4, 8, 16, 17, 32, 33, 40, 64, 65, 128, 129, 192, 256, 300, 520, 522, 1000, 1024,
                4096, 4097, 8192)
@@ -82,23 +83,26 @@ def test_det_gemm_every_tile_gives_the_same_bits(ops):
                 assert torch.equal(out, y[off:off + m]), (n, m, off)
 
 
+# K in 4 ranges; in one; in 6 at an odd N (the range sums' single-column stores); in 4 at an N
+# narrower than one 128 x 256 tile.
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n, k", [(1000, 1000), (4232, 520)])  # K in 4 ranges; in one
+@pytest.mark.parametrize("n, k", [(1000, 1000), (4232, 520), (1001, 2600), (264, 1000)])
 def test_det_gemm_every_plan_gives_the_same_bits(ops, n, k, dtype):
     """Every plan det_gemm could run (_det_gemm_plans: each tile, swapped up to M = 256, and where K
-    is split the ranges meeting across CTAs or within them) gives det_gemm's bits, so
+    is split the ranges meeting across CTAs or within them) gives det_gemm's rows, at token counts
+    on both sides of each change of the tile choice, for rows that start mid-tile, so
     benchmarks/det_gemm_plans.py may time them all and the tile choice may take any of them."""
     x, w = randn(1100, k, dtype=dtype, seed=13), randn(n, k, dtype=dtype, seed=14)
+    y = ops.det_gemm(x, w, None)
     split = gemm_split(n, k)[0] > 1
-    for m in (1, 3, 17, 64, 100, 256, 1000):
-        xm = x[1100 - m:]
-        want = ops.det_gemm(xm, w, None)
+    for m in (1, 3, 17, 40, 64, 100, 129, 256, 1000):
+        off = 1100 - m - 5  # five rows short of the end: no tile starts at the first row
+        xm = x[off:off + m]
         flat = ops._det_gemm_plans(xm, w)
         plans = [tuple(flat[i:i + 4]) for i in range(0, len(flat), 4)]
         assert len(set(plans)) == len(plans) == 9 + 3 * (m <= 256) + 6 * split, (m, plans)
-        assert all(across == split for _, _, swapped, across in plans if swapped), plans
         for plan in plans:
-            assert torch.equal(ops._det_gemm_on_plan(xm, w, list(plan)), want), (m, plan)
+            assert torch.equal(ops._det_gemm_on_plan(xm, w, list(plan)), y[off:off + m]), (m, plan)
 
 
 def test_det_gemm_on_plan_refuses_what_it_cannot_run(ops):

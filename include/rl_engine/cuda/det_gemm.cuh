@@ -758,13 +758,14 @@ inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms, bool split_k) {
   return p;
 }
 
-// Every plan launch_det_gemm_planned can run for (m, n, k), plan_det_gemm's pick among them: K in
+// The plans the tile choice could make for (m, n, k), plan_det_gemm's pick among them: K in
 // choose_gemm_split's ranges (fixed by N and K) on each unswapped tile the launcher instantiates,
-// the ranges meeting across CTAs; up to M = 256 the swapped tiles of 64, 32 and 16 weight rows, M
-// rounded up to 8, 16, 32 or 64 as their narrow side; and where K is split, gemm_two_sum_tile's
-// tiles with the ranges met within each CTA. The tile choice is free only because no plan changes a
-// row's bits: benchmarks/det_gemm_plans.py times every plan against cuBLAS and the CUDA tests hold
-// each to the pick's bits. Returns how many plans it wrote to out (at most kGemmPlanOptions).
+// the ranges meeting across CTAs; up to M = 256 the swapped tiles of 64, 32 and 16 weight rows by
+// M rounded up to 8, 16 or 32 tokens, or by 64 (one to four column blocks of tokens from M = 33);
+// and where K is split, gemm_two_sum_tile's tiles with the ranges met within each CTA. The tile
+// choice is free only because no plan changes a row's bits: benchmarks/det_gemm_plans.py times
+// every plan against cuBLAS and the CUDA tests hold each to the pick's bits. Returns how many plans
+// it wrote to out (at most kGemmPlanOptions).
 constexpr int kGemmPlanOptions = 24;
 inline int det_gemm_plan_options(int m, int n, int k, GemmPlan* out) {
   static constexpr GemmTile kTiles[] = {{128, 256, false}, {128, 192, false}, {128, 160, false},
@@ -792,6 +793,22 @@ inline int det_gemm_plan_options(int m, int n, int k, GemmPlan* out) {
     for (const GemmTile& t : kTwoSum) add(t, false);
   }
   return count;
+}
+
+// Whether plan is one of det_gemm_plan_options(m, n, k): the launcher maps a tile it does not
+// instantiate to another, so a plan from elsewhere must be checked before it runs.
+inline bool is_det_gemm_plan_option(int m, int n, int k, const GemmPlan& plan) {
+  GemmPlan all[kGemmPlanOptions];
+  const int count = det_gemm_plan_options(m, n, k, all);
+  for (int i = 0; i < count; ++i) {
+    const GemmPlan& p = all[i];
+    if (p.tile.bm == plan.tile.bm && p.tile.bn == plan.tile.bn && p.tile.swap == plan.tile.swap &&
+        p.split.splits == plan.split.splits && p.split.blocks == plan.split.blocks &&
+        p.split.across == plan.split.across && p.scratch_floats == plan.scratch_floats) {
+      return true;
+    }
+  }
+  return false;
 }
 
 // The configuration of a launch with programmatic stream serialization (see the top of this file).
