@@ -122,14 +122,16 @@ def test_forward_and_backward_match_reference(ops, dtype, d, block, chunk):
 @pytest.mark.parametrize("block,page", [(16, 16), (32, 16), (64, 16), (128, 8)])
 @pytest.mark.parametrize("d", [64, 128])
 def test_decode_equals_prefill_rows(ops, block, page, d):
-    lens = [1, 15, 16, 17, 64, 65, 130, 200]
+    # The longest sequence spans five blocks of 128 keys: every tile of the decode's ring is
+    # refilled at least once.
+    lens = [1, 15, 16, 17, 64, 65, 130, 520]
     q, k, v, cu, _, pos = packed(lens, d, seed=3)
     out, lse = fwd(ops, q, k, v, cu, cu, pos, block)
     k_seq = [k[cu[b]:cu[b + 1]] for b in range(len(lens))]
     v_seq = [v[cu[b]:cu[b + 1]] for b in range(len(lens))]
     scale = d ** -0.5
     # A batch of 8 mixed lengths, token t_b of sequence b at block edges and inside blocks.
-    visible = [1, 9, 16, 17, 40, 64, 129, 200]
+    visible = [1, 9, 16, 17, 40, 64, 129, 450]
     rows = [int(cu[b]) + n - 1 for b, n in enumerate(visible)]
     for shuffle in (False, True):
         dec_out, dec_lse = ops.attention_decode(q[rows], *paged(k_seq, v_seq, visible, page, shuffle),
