@@ -105,7 +105,7 @@ done
 python3 - "$work" <<'PY'
 import sys
 
-NAME_KEYS = ("t", "d", "block", "table", "lens", "m", "n", "k")
+NAME_KEYS = ("t", "d", "block", "batch", "table", "lens", "m", "n", "k")
 HASH_KEYS = ("out", "lse", "dq", "dk", "dv")
 EXTRA_KEYS = ("dq_ms", "dkdv_ms", "tbs", "tile", "splits")
 
