@@ -1,0 +1,87 @@
+"""det_gemm's plan choice is host code in include/rl_engine/cuda/det_gemm.cuh, so it is checked here
+without a GPU: compiled with nvcc into a small program that walks a grid of shapes and SM counts and
+checks that the plan plan_det_gemm picks is one that det_gemm_plan_options lists (the set that
+_det_gemm_plans exposes and the CUDA tests hold to the same bits), that the list has no duplicate,
+that its size is what the enumeration promises, and that its K ranges depend on N and K alone. A
+change to the tile choice that picks a tile the list lacks fails here, before any GPU run. Skipped
+where there is no nvcc (CI has one)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+
+PROGRAM = r"""
+#include <cstdio>
+#include "rl_engine/cuda/det_gemm.cuh"
+using namespace rl_engine::cuda;
+
+static bool same(const GemmPlan& a, const GemmPlan& b) {
+  return a.tile.bm == b.tile.bm && a.tile.bn == b.tile.bn && a.tile.swap == b.tile.swap &&
+         a.split.splits == b.split.splits && a.split.blocks == b.split.blocks &&
+         a.split.across == b.split.across && a.scratch_floats == b.scratch_floats;
+}
+
+int main() {
+  const int ns[] = {1, 8, 264, 576, 584, 1000, 1001, 1024, 2048, 2176, 2560, 3072, 3073, 4096, 4232,
+                    6144, 8448, 9728, 12288, 16896, 19456, 24576, 33792, 75968, 151936};
+  const int ks[] = {64, 520, 1000, 2560, 4096, 12288};
+  const int sms[] = {132, 114, 78};
+  long checked = 0;
+  for (int sm : sms)
+    for (int n : ns)
+      for (int k : ks)
+        for (int m = 1; m <= 9000; m += m < 300 ? 1 : m < 1100 ? 7 : 61) {
+          GemmPlan all[kGemmPlanOptions];
+          const int count = det_gemm_plan_options(m, n, k, all);
+          const bool split = choose_gemm_split(n, k).splits > 1;
+          const int want = 9 + 3 * (m <= 256) + 6 * split;
+          if (count != want) {
+            std::printf("m=%d n=%d k=%d: %d plans, not %d\n", m, n, k, count, want);
+            return 1;
+          }
+          for (int i = 0; i < count; ++i) {
+            if (all[i].split.splits != choose_gemm_split(n, k).splits) {
+              std::printf("m=%d n=%d k=%d: a plan's K ranges are not choose_gemm_split's\n", m, n, k);
+              return 1;
+            }
+            for (int j = 0; j < i; ++j)
+              if (same(all[i], all[j])) {
+                std::printf("m=%d n=%d k=%d: plans %d and %d are the same\n", m, n, k, j, i);
+                return 1;
+              }
+          }
+          const GemmPlan pick = plan_det_gemm(m, n, k, sm, true);
+          if (!is_det_gemm_plan_option(m, n, k, pick)) {
+            std::printf("m=%d n=%d k=%d sms=%d: plan_det_gemm picks %dx%d%s (%s) that the list lacks\n", m, n, k,
+                        sm, pick.tile.bm, pick.tile.bn, pick.tile.swap ? " swapped" : "",
+                        pick.split.across ? "across" : "within");
+            return 1;
+          }
+          ++checked;
+        }
+  std::printf("checked %ld shapes\n", checked);
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(NVCC is None, reason="needs nvcc (the program is host code, but the header is CUDA)")
+def test_every_pick_is_a_listed_plan(tmp_path):
+    src = tmp_path / "plan_choice.cu"
+    src.write_text(PROGRAM)
+    exe = tmp_path / "plan_choice"
+    build = subprocess.run([NVCC, "-O2", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
+                            "--expt-relaxed-constexpr", "-I", str(ROOT / "include"), "-o", str(exe), str(src)],
+                           capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    checked = int(run.stdout.split()[1])
+    assert checked > 100_000, run.stdout
