@@ -184,13 +184,9 @@ std::vector<GemmPlan> plan_options(const at::Tensor& x, const at::Tensor& w, con
   GemmPlan all[kGemmPlanOptions];
   const int count = det_gemm_plan_options(m, n, k, all);
   const GemmPlan pick = plan_det_gemm(m, n, k, sm_count(), /*split_k=*/true);
-  auto same = [](const GemmPlan& a, const GemmPlan& b) {
-    return a.tile.bm == b.tile.bm && a.tile.bn == b.tile.bn && a.tile.swap == b.tile.swap &&
-           a.split.across == b.split.across;
-  };
   std::vector<GemmPlan> plans{pick};
   for (int i = 0; i < count; ++i) {
-    if (!same(all[i], pick)) plans.push_back(all[i]);
+    if (!same_gemm_plan(all[i], pick)) plans.push_back(all[i]);
   }
   TORCH_INTERNAL_ASSERT(static_cast<int>(plans.size()) == count, op, ": plan_det_gemm picked a plan "
                         "det_gemm_plan_options does not list");

@@ -22,12 +22,6 @@ PROGRAM = r"""
 #include "rl_engine/cuda/det_gemm.cuh"
 using namespace rl_engine::cuda;
 
-static bool same(const GemmPlan& a, const GemmPlan& b) {
-  return a.tile.bm == b.tile.bm && a.tile.bn == b.tile.bn && a.tile.swap == b.tile.swap &&
-         a.split.splits == b.split.splits && a.split.blocks == b.split.blocks &&
-         a.split.across == b.split.across && a.scratch_floats == b.scratch_floats;
-}
-
 int main() {
   const int ns[] = {1, 8, 264, 576, 584, 1000, 1001, 1024, 2048, 2176, 2560, 3072, 3073, 4096, 4232,
                     6144, 8448, 9728, 12288, 16896, 19456, 24576, 33792, 75968, 151936};
@@ -52,7 +46,7 @@ int main() {
               return 1;
             }
             for (int j = 0; j < i; ++j)
-              if (same(all[i], all[j])) {
+              if (same_gemm_plan(all[i], all[j])) {
                 std::printf("m=%d n=%d k=%d: plans %d and %d are the same\n", m, n, k, j, i);
                 return 1;
               }

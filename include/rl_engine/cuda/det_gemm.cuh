@@ -795,18 +795,20 @@ inline int det_gemm_plan_options(int m, int n, int k, GemmPlan* out) {
   return count;
 }
 
+// Whether two plans launch the same way (the workspace pointer and item count are set at launch).
+inline bool same_gemm_plan(const GemmPlan& a, const GemmPlan& b) {
+  return a.tile.bm == b.tile.bm && a.tile.bn == b.tile.bn && a.tile.swap == b.tile.swap &&
+         a.split.splits == b.split.splits && a.split.blocks == b.split.blocks &&
+         a.split.across == b.split.across && a.scratch_floats == b.scratch_floats;
+}
+
 // Whether plan is one of det_gemm_plan_options(m, n, k): the launcher maps a tile it does not
 // instantiate to another, so a plan from elsewhere must be checked before it runs.
 inline bool is_det_gemm_plan_option(int m, int n, int k, const GemmPlan& plan) {
   GemmPlan all[kGemmPlanOptions];
   const int count = det_gemm_plan_options(m, n, k, all);
   for (int i = 0; i < count; ++i) {
-    const GemmPlan& p = all[i];
-    if (p.tile.bm == plan.tile.bm && p.tile.bn == plan.tile.bn && p.tile.swap == plan.tile.swap &&
-        p.split.splits == plan.split.splits && p.split.blocks == plan.split.blocks &&
-        p.split.across == plan.split.across && p.scratch_floats == plan.scratch_floats) {
-      return true;
-    }
+    if (same_gemm_plan(all[i], plan)) return true;
   }
   return false;
 }
