@@ -207,19 +207,44 @@ struct PagedLoad {
       next[m] = key < len ? pages[j * per_block + page] : -1;
     });
   }
-  __device__ __forceinline__ void operator()(int j, uint32_t kt, uint32_t vt) {
+  // Copies this thread's rows of the block whose pages are `pages` (one lookup's): keys into kt
+  // where kKeys, values into vt where kValues.
+  template <bool kKeys, bool kValues>
+  __device__ __forceinline__ void copy(const int (&pages)[kPasses], uint32_t kt, uint32_t vt) const {
     const T* kc = static_cast<const T*>(p.k_cache);
     const T* vc = static_cast<const T*>(p.v_cache);
     rows_of([&](int m, int, int row) {
-      const int page = next[m];
+      const int page = pages[m];
       const bool ok = page >= 0 && page < p.num_pages;
       const int64_t off = ok ? (((int64_t)page * p.page_size + row) * p.hkv + g) * D + c * 8 : 0;
       const uint32_t dst = ((r0 + m * kRowsPerPass) * kStride<D> + c * 8) * 2;
-      cp_async16(kt + dst, kc + off, ok);
-      cp_async16(vt + dst, vc + off, ok);
+      if (kKeys) cp_async16(kt + dst, kc + off, ok);
+      if (kValues) cp_async16(vt + dst, vc + off, ok);
     });
+  }
+  __device__ __forceinline__ void operator()(int j, uint32_t kt, uint32_t vt) {
+    copy<true, true>(next, kt, vt);
     lookup(j + 1);
   }
+};
+
+// The copies of kv_walk_three, which copies a block's keys one block before its values: keys(j)
+// copies K_j from the pages looked up last and keeps them for values() to copy V_j from, then
+// looks up block j + 1's. One lookup a block, as PagedLoad makes.
+template <typename T, int D, int BN, int kThreads>
+struct PagedLoadApart {
+  using Load = PagedLoad<T, D, BN, kThreads>;
+  Load load;
+  int held[Load::kPasses];  // the pages of the block whose values come next
+  __device__ __forceinline__ PagedLoadApart(const DecodeParams& params, const DecodeCta& cta, int tid)
+      : load(params, cta, tid) {}
+  __device__ __forceinline__ void keys(int j, uint32_t kt) {
+    load.template copy<true, false>(load.next, kt, 0);
+#pragma unroll
+    for (int m = 0; m < Load::kPasses; ++m) held[m] = load.next[m];
+    load.lookup(j + 1);
+  }
+  __device__ __forceinline__ void values(uint32_t vt) const { load.template copy<false, true>(held, 0, vt); }
 };
 
 // Decode: one CTA per (sequence, kv head); the rows of the tile are the kv head's query heads,
@@ -289,10 +314,17 @@ constexpr int split_key_steps() {  // k16 key steps per scorer warp
 // barrier at which every warp is done with them.
 // Keeping them out of the CTA's own bytes is what fits four head_dim 64 CTAs on an SM (512 CTAs in
 // one wave at batch 64 x 8 kv heads, where three left a second wave of 116).
+// Head_dim 64 at blocks of 128 keys walks a ring of three tiles (kv_walk_three) instead of two
+// (K, V) stages: 55 KB instead of 74, so four CTAs fit on an SM as at blocks of 64, and batch 64 x 8
+// kv heads decodes in one wave instead of two.
+template <int D, int BN>
+constexpr bool split_three_tiles() {
+  return D == 64 && BN == 128;
+}
 template <int D, int BN>
 struct SplitSmem {
   static constexpr int kTile = BN * kStride<D> * 2;
-  static constexpr int kRing = decode_stages<BN>() * 2 * kTile;
+  static constexpr int kRing = (split_three_tiles<D, BN>() ? 3 : decode_stages<BN>() * 2) * kTile;
   static constexpr int kMax = kRing;             // float [warps][16]: row maxima
   static constexpr int kL = kMax + 16 * 16 * 4;  // float [16]: whole denominators
   static constexpr int kBytes = kL + 16 * 4;
@@ -304,9 +336,13 @@ struct SplitSmem {
 // The occupancy the paragraph above is for: an SM's 228 KiB hold four head_dim 64 CTAs at BN 64
 // (each with its 1 KiB the hardware reserves), so batch 64 x 8 kv heads decodes in one wave.
 static_assert(4 * (SplitSmem<64, 64>::kBytes + 1024) <= 228 * 1024, "four head_dim 64 decode CTAs an SM");
+static_assert(4 * (SplitSmem<64, 128>::kBytes + 1024) <= 228 * 1024, "four, at blocks of 128 keys too");
 
+// Four CTAs an SM where the three-tile ring lets the shared memory hold them: 128 registers a
+// thread (0 leaves the other instances to the compiler, as without the bound).
 template <typename T, int D, int BN>
-__global__ void __launch_bounds__(split_warps<D>() * 32) rlk_attention_decode_split_kernel(DecodeParams p) {
+__global__ void __launch_bounds__(split_warps<D>() * 32, split_three_tiles<D, BN>() ? 4 : 0)
+    rlk_attention_decode_split_kernel(DecodeParams p) {
   using S = SplitSmem<D, BN>;
   constexpr int kThreads = split_warps<D>() * 32, KS = split_key_steps<D, BN>();
   constexpr int kScorers = BN / 16 / KS, NO = D / 8 / split_warps<D>();
@@ -350,71 +386,85 @@ __global__ void __launch_bounds__(split_warps<D>() * 32) rlk_attention_decode_sp
     }
   };
   uint32_t prev_kt = 0;  // the K tile of the block before, which holds its probabilities
-  kv_walk_refill<decode_stages<BN>()>(
-      base, BN * kStride<D> * 2, nblocks, PagedLoad<T, D, BN, kThreads>(p, cta, tid),
-      [&](int j, uint32_t kt, uint32_t vt, auto&& refill) {
-        // The walk's barrier at the top of block j + 1 orders this block's reads of the shared
-        // maxima and probabilities before block j + 1 overwrites the maxima; this K tile is
-        // refilled after that barrier, or after block j + 1's first one where kIdleAdds.
-        if constexpr (!kIdleAdds) refill();
-        unsigned char* k_tile = smem + (kt - base);
-        uint4* pa = reinterpret_cast<uint4*>(k_tile + S::kPa);
-        float4* pf = reinterpret_cast<float4*>(k_tile + S::kPf);
-        float s[2 * KS][4];
-        if (warp < kScorers) {
-          float part[1][2 * KS][4];
-          block_scores<T, D, 2 * KS, 1>(part, qf, kt, warp * 2 * KS, lane);
+  // One block: refill() issues the copies a two-stage walk makes during it, wait_v() waits for
+  // V's where the three-tile walk copies it apart from K.
+  auto block = [&](int j, uint32_t kt, uint32_t vt, auto&& refill, auto&& wait_v) {
+    // The walk's barrier at the top of block j + 1 orders this block's reads of the shared
+    // maxima and probabilities before block j + 1 overwrites the maxima; this K tile is
+    // refilled after that barrier, or after block j + 1's first one where kIdleAdds.
+    if constexpr (!kIdleAdds) refill();
+    unsigned char* k_tile = smem + (kt - base);
+    uint4* pa = reinterpret_cast<uint4*>(k_tile + S::kPa);
+    float4* pf = reinterpret_cast<float4*>(k_tile + S::kPf);
+    float s[2 * KS][4];
+    if (warp < kScorers) {
+      float part[1][2 * KS][4];
+      block_scores<T, D, 2 * KS, 1>(part, qf, kt, warp * 2 * KS, lane);
 #pragma unroll
-          for (int n = 0; n < 2 * KS; ++n)
+      for (int n = 0; n < 2 * KS; ++n)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) s[n][i] = part[0][n][i];
-          float mx[2] = {-kInf, -kInf};
-          mask_scores<2 * KS>(s, j * BN + warp * 16 * KS, pos, len, lane, mx);
-          quad_max(mx);
-          if ((lane & 3) == 0) {
-            row_max[warp * 16 + (lane >> 2)] = mx[0];
-            row_max[warp * 16 + (lane >> 2) + 8] = mx[1];
-          }
-        } else if (kIdleAdds && warp == kLWarp && j > 0) {
-          add_block_to_l(prev_kt);
-        }
-        __syncthreads();
-        if constexpr (kIdleAdds) refill();
-        float mx[2] = {-kInf, -kInf}, ms[2];
+        for (int i = 0; i < 4; ++i) s[n][i] = part[0][n][i];
+      float mx[2] = {-kInf, -kInf};
+      mask_scores<2 * KS>(s, j * BN + warp * 16 * KS, pos, len, lane, mx);
+      quad_max(mx);
+      if ((lane & 3) == 0) {
+        row_max[warp * 16 + (lane >> 2)] = mx[0];
+        row_max[warp * 16 + (lane >> 2) + 8] = mx[1];
+      }
+    } else if (kIdleAdds && warp == kLWarp && j > 0) {
+      add_block_to_l(prev_kt);
+    }
+    __syncthreads();
+    if constexpr (kIdleAdds) refill();
+    float mx[2] = {-kInf, -kInf}, ms[2];
 #pragma unroll
-        for (int w = 0; w < kScorers; ++w) {
-          mx[0] = fmaxf(mx[0], row_max[w * 16 + (lane >> 2)]);
-          mx[1] = fmaxf(mx[1], row_max[w * 16 + (lane >> 2) + 8]);
-        }
-        rescale_rows(st, mx, p.scale_log2, ms);
-        if (warp < kScorers) {
-          exponentiate<2 * KS>(s, ms, p.scale_log2);
+    for (int w = 0; w < kScorers; ++w) {
+      mx[0] = fmaxf(mx[0], row_max[w * 16 + (lane >> 2)]);
+      mx[1] = fmaxf(mx[1], row_max[w * 16 + (lane >> 2) + 8]);
+    }
+    rescale_rows(st, mx, p.scale_log2, ms);
+    if (warp < kScorers) {
+      exponentiate<2 * KS>(s, ms, p.scale_log2);
 #pragma unroll
-          for (int kk = 0; kk < KS; ++kk) {
-            uint32_t a[4];
-            c_to_a<T>(a, s, kk);
-            pa[(warp * KS + kk) * 32 + lane] = make_uint4(a[0], a[1], a[2], a[3]);
-          }
+      for (int kk = 0; kk < KS; ++kk) {
+        uint32_t a[4];
+        c_to_a<T>(a, s, kk);
+        pa[(warp * KS + kk) * 32 + lane] = make_uint4(a[0], a[1], a[2], a[3]);
+      }
 #pragma unroll
-          for (int n = 0; n < 2 * KS; ++n)
-            pf[(warp * 2 * KS + n) * 32 + lane] = make_float4(s[n][0], s[n][1], s[n][2], s[n][3]);
-        }
-        __syncthreads();
-        if (!kIdleAdds && warp == kLWarp) add_block_to_l(kt);
+      for (int n = 0; n < 2 * KS; ++n)
+        pf[(warp * 2 * KS + n) * 32 + lane] = make_float4(s[n][0], s[n][1], s[n][2], s[n][3]);
+    }
+    wait_v();
+    __syncthreads();
+    if (!kIdleAdds && warp == kLWarp) add_block_to_l(kt);
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-          const uint4 f = pa[kk * 32 + lane];
-          const uint32_t a[4] = {f.x, f.y, f.z, f.w};
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      const uint4 f = pa[kk * 32 + lane];
+      const uint32_t a[4] = {f.x, f.y, f.z, f.w};
 #pragma unroll
-          for (int d = 0; d < NO; d += 2) {
-            uint32_t b[4];
-            load_b_t<D>(b, vt, kk * 16, warp * NO * 8 + d * 8, lane);
-            mma<T>(st.o[d], a, b[0], b[1]);
-            mma<T>(st.o[d + 1], a, b[2], b[3]);
-          }
-        }
-        prev_kt = kt;
-      });
+      for (int d = 0; d < NO; d += 2) {
+        uint32_t b[4];
+        load_b_t<D>(b, vt, kk * 16, warp * NO * 8 + d * 8, lane);
+        mma<T>(st.o[d], a, b[0], b[1]);
+        mma<T>(st.o[d + 1], a, b[2], b[3]);
+      }
+    }
+    prev_kt = kt;
+  };
+  if constexpr (split_three_tiles<D, BN>()) {
+    static_assert(!kIdleAdds, "the three-tile walk has no refill to put off");
+    PagedLoadApart<T, D, BN, kThreads> load(p, cta, tid);
+    kv_walk_three(
+        base, S::kTile, nblocks, [&](int j, uint32_t kt) { load.keys(j, kt); },
+        [&](int, uint32_t vt) { load.values(vt); },
+        [&](int j, uint32_t kt, uint32_t vt, auto&& wait_v) { block(j, kt, vt, [] {}, wait_v); });
+  } else {
+    kv_walk_refill<decode_stages<BN>()>(base, S::kTile, nblocks, PagedLoad<T, D, BN, kThreads>(p, cta, tid),
+                                        [&](int j, uint32_t kt, uint32_t vt, auto&& refill) {
+                                          block(j, kt, vt, refill, [] {});
+                                        });
+  }
   // The last block's probabilities: published before its second barrier, and never refilled.
   if (kIdleAdds && warp == kLWarp && nblocks > 0) add_block_to_l(prev_kt);
   if (warp == kLWarp) {

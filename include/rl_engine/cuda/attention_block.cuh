@@ -278,6 +278,31 @@ __device__ __forceinline__ void kv_walk_refill(uint32_t ring, int tile_bytes, in
   }
 }
 
+// Blocks 0..nblocks-1 through a ring of three tiles, a block's K and V never in the same slot
+// twice running: K_j sits in tile 2j % 3 and V_j in tile (2j + 1) % 3, so the tiles block j - 1
+// read take V_j and K_{j+1}. At the top of block j, once K_j has landed and every thread is past
+// block j - 1 (the barrier), V_j and K_{j+1} are issued (load_v(j, tile), load_k(j + 1, tile)) and
+// compute(j, k_tile, v_tile, wait_v) folds block j in; wait_v() waits for this thread's copies of
+// V_j (K_{j+1}'s may still fly), and compute reaches a barrier after it before reading V. Three
+// tiles where two stages of (K, V) pairs take four: the K copies of a block have a whole block to
+// land, its V copies the time its scores and probabilities take.
+template <typename LoadK, typename LoadV, typename Compute>
+__device__ __forceinline__ void kv_walk_three(uint32_t ring, int tile_bytes, int nblocks, LoadK&& load_k,
+                                              LoadV&& load_v, Compute&& compute) {
+  auto tile = [&](int i) { return ring + (i % 3) * tile_bytes; };
+  if (nblocks > 0) load_k(0, tile(0));
+  cp_async_commit();
+  for (int j = 0; j < nblocks; ++j) {
+    cp_async_wait<0>();  // K_j, the newest group (and everything before it)
+    __syncthreads();
+    load_v(j, tile(2 * j + 1));
+    cp_async_commit();
+    if (j + 1 < nblocks) load_k(j + 1, tile(2 * j + 2));
+    cp_async_commit();
+    compute(j, tile(2 * j), tile(2 * j + 1), [] { cp_async_wait<1>(); });
+  }
+}
+
 // kv_walk_refill with the refill first: compute(j, k_tile, v_tile) runs while the next copies fly.
 template <int kStages, typename Load, typename Compute>
 __device__ __forceinline__ void kv_walk(uint32_t ring, int tile_bytes, int nblocks, Load&& load,
