@@ -8,7 +8,7 @@ K and V read (plus q and out) over time, against the card's datasheet HBM figure
 device-to-device copy; SDPA decode runs on contiguous KV for comparison. CUDA events, warm-up,
 median of --repeats. `met` says which of the targets (TARGETS) every row reaches; the JSON records
 the commit it measured (provenance.py). Each head_dim runs with the block a model of it runs with
-(kv_block_size: 128 keys at head_dim 128, 64 at 64), and the backward's query chunks with the same;
+(kv_block_size: 128 keys at head_dim 64 and 128), and the backward's query chunks with the same;
 --kv-block-size times every head_dim at one other size instead.
 
     python benchmarks/hopper_attention.py [--out results.json] [--repeats 20] [--kv-block-size 64]

@@ -14,7 +14,7 @@ from seeded import randn
 HQ, HKV, PAGE = 4, 2, 16
 
 
-@pytest.mark.parametrize("head_dim,block", [(8, 64), (64, 64), (120, 64), (128, 128), (256, 128)])
+@pytest.mark.parametrize("head_dim,block", [(8, 64), (56, 64), (64, 128), (120, 128), (128, 128), (256, 128)])
 def test_block_by_head_dim(head_dim, block):
     assert attention.kv_block_size(head_dim) == block
 
@@ -81,7 +81,7 @@ def test_router_r_ops_default_to_the_block_of_the_head_dim_and_note_it(rl_ops):
     assert router.records["attention"].shapes["kv_block"] == {128}
 
 
-@pytest.mark.parametrize("head_dim,block", [(None, 64), (64, 64), (128, 128)])
+@pytest.mark.parametrize("head_dim,block", [(None, 64), (64, 128), (128, 128)])
 def test_attention_gate_takes_the_block_of_its_head_dim(head_dim, block):
     assert GateConfig(world_size=1, head_dim=head_dim).block == block
     assert GateConfig(world_size=1, head_dim=head_dim, block=16).block == 16
