@@ -21,11 +21,12 @@ def kv_block_size(head_dim: int) -> int:
 
     128 keys from head_dim 64 (Qwen3-4B/8B at 128, the small presets at 64). At head_dim 128 the
     prefill forward is 9% faster than with 64 on an H100 and the backward 5-9%; the paged decode is
-    as fast there, 5% slower on an H200 (3.76 TB/s against 3.96). At head_dim 64 the H100 gave the
-    forward 0.90 / 0.88 of cuDNN with 128 against 0.82 / 0.76 with 64 (4k / 8k tokens), the backward
-    0.61 / 0.53 against 0.57 / 0.50; its decode keeps four CTAs an SM at 128 by walking a ring of
-    three tiles (attention.cuh's split decode). 64 below head_dim 64, as before: no GPU kernel
-    runs there, and the CPU tests' tiny models keep their bits."""
+    as fast there, 5% slower on an H200 (3.76 TB/s against 3.96). At head_dim 64, on an H100 at
+    c68bd6f (benchmarks/results/h100/c68bd6f/): forward 0.93 / 0.88 of cuDNN with 128 against
+    0.80 / 0.76 with 64 (4k / 8k tokens), backward 0.61 / 0.53 against 0.58 / 0.50, and the paged
+    decode as fast (2.65 TB/s each), since at 128 it walks a ring of three tiles and keeps four
+    CTAs an SM (attention.cuh's split decode). 64 below head_dim 64, as before: no GPU kernel runs
+    there, and the CPU tests' tiny models keep their bits."""
     if head_dim < 1:
         raise ValueError(f"head_dim {head_dim} must be positive")
     return 128 if head_dim >= 64 else 64
