@@ -621,7 +621,7 @@ inline bool gemm_one_resident_pass(int64_t items, int bn, int num_sms) {
 // at. Above M = 64 it first weighs the 128-row tiles of 256, 192, 160 and 128 columns: the share of
 // the SMs' time over whole waves that computes output elements that exist (a half-empty wave or
 // tile counts as lost), times the tile's own efficiency (narrower tiles move more shared memory
-// per product); the best is taken where that exceeds 75%. Otherwise (and from M = 33) it takes the
+// per product); the best is taken where that exceeds 70%. Otherwise (and from M = 33) it takes the
 // first tile of kTileOrder (largest first, one of 64 rows before the narrow ones of 128) whose grid
 // either fills one wave to between 55% and 100% of the SMs or keeps at least 80% of them busy in
 // every wave; tiles of 128 rows only above M = 64, where 64 x 32 is taken when none fits. Up to
@@ -632,17 +632,28 @@ inline bool gemm_one_resident_pass(int64_t items, int bn, int num_sms) {
 // over every tile at M = 64 to 1024 and the shapes of benchmarks/hopper_ops.py: a part wave of
 // large tiles beats full waves of narrow ones (each CTA re-reads A and B per tile from L2), and a
 // 64-row tile (two CTAs an SM) beats a 128-row one whose last row block is half empty.
-// From M = 33 to 64 a 64-row tile of 128, then 64, columns whose tiles busy every SM and all fit
-// at once (two CTAs an SM) comes first: there the weight streams through every SM in one pass
+// From M = 33 to 64 a 64-row tile of 128, then 64, then 32 columns whose tiles busy every SM and
+// all fit at once comes first: there the weight streams through every SM in one pass
 // (benchmarks/hopper_ops.py at da6f8da, M = 64: gate-up 33.4 -> 30.3 us (4B) and 57.7 -> 54.0
 // (8B) on 64 x 128 instead of 64 x 32 / 64, the wide shape 32.0 -> 29.8 on 64 x 64 instead of
 // 64 x 128).
+// Retuned from two sweeps of every plan (benchmarks/det_gemm_plans.py, one H100, at c68bd6f and
+// 369419d; benchmarks/det_gemm_replay.py replays a sweep through this function), each change
+// faster in both: 64 x 32 at M = 33-64 for the fused QKV projections (N = 6144: 0.89-0.93 of
+// cuBLAS on 64 x 64, 1.01 on 64 x 32 at M = 48, 0.94 at 64); where the tiles make a single row
+// block (M = 65-128), 128 x 64 before 64 x 128, one CTA sharing each weight block between its two
+// consumers instead of two CTAs reading it twice (QKV, KV, o and down projections at M = 96 / 128:
+// +2% to +9%); the 70% bar (75% before) takes 128 x 192 at M = 192 on the widest weights (8B's
+// gate-up 0.68 -> 0.91, N = 12288 0.86 -> 0.92).
 inline GemmTile choose_gemm_tile(int m, int n, int num_sms) {
   static constexpr GemmTile kTileOrder[] = {{128, 256, false}, {128, 128, false}, {64, 128, false},
                                             {128, 64, false},  {128, 32, false},  {64, 64, false},
                                             {64, 32, false}};
+  static constexpr GemmTile kOneBlockOrder[] = {{128, 256, false}, {128, 128, false}, {128, 64, false},
+                                                {64, 128, false},  {128, 32, false},  {64, 64, false},
+                                                {64, 32, false}};
   if (m > 32 && m <= 64) {
-    for (const int bn : {128, 64}) {
+    for (const int bn : {128, 64, 32}) {
       if (gemm_one_resident_pass((n + bn - 1) / bn, bn, num_sms)) return {64, bn, false};
     }
   }
@@ -652,7 +663,7 @@ inline GemmTile choose_gemm_tile(int m, int n, int num_sms) {
     // consumers.
     static constexpr int kWide[][2] = {{256, 100}, {192, 97}, {160, 95}, {128, 92}};
     GemmTile best{0, 0, false};
-    double best_score = 0.75;
+    double best_score = 0.70;
     for (const auto& [bn, eff] : kWide) {
       const int64_t tiles = static_cast<int64_t>((m + 127) / 128) * ((n + bn - 1) / bn);
       const int64_t waves = (tiles + num_sms - 1) / num_sms;
@@ -662,7 +673,7 @@ inline GemmTile choose_gemm_tile(int m, int n, int num_sms) {
     if (best.bm != 0) return best;
   }
   if (m > 32) {
-    for (const GemmTile& t : kTileOrder) {
+    for (const GemmTile& t : m > 64 && m <= 128 ? kOneBlockOrder : kTileOrder) {
       if (t.bm > 64 && m <= 64) continue;
       const int64_t tiles = static_cast<int64_t>((m + t.bm - 1) / t.bm) * ((n + t.bn - 1) / t.bn);
       const int64_t waves = (tiles + num_sms - 1) / num_sms;
