@@ -639,12 +639,13 @@ inline bool gemm_one_resident_pass(int64_t items, int bn, int num_sms) {
 // 64 x 128).
 // Retuned from two sweeps of every plan (benchmarks/det_gemm_plans.py, one H100, at c68bd6f and
 // 369419d; benchmarks/det_gemm_replay.py replays a sweep through this function), each change
-// faster in both: 64 x 32 at M = 33-64 for the fused QKV projections (N = 6144: 0.89-0.93 of
-// cuBLAS on 64 x 64, 1.01 on 64 x 32 at M = 48, 0.94 at 64); where the tiles make a single row
-// block (M = 65-128), 128 x 64 before 64 x 128, one CTA sharing each weight block between its two
-// consumers instead of two CTAs reading it twice (QKV, KV, o and down projections at M = 96 / 128:
-// +2% to +9%); the 70% bar (75% before) takes 128 x 192 at M = 192 on the widest weights (8B's
-// gate-up 0.68 -> 0.91, N = 12288 0.86 -> 0.92).
+// faster in both and in a third sweep at 2709630 (benchmarks/results/h100/2709630/): 64 x 32 at
+// M = 33-64 for the fused QKV projections (N = 6144: 0.86-0.93 of cuBLAS on 64 x 64, 1.01-1.02 on
+// 64 x 32 at M = 48, 0.94-0.95 at 64); where the tiles make a single row block (M = 65-128),
+// 128 x 64 before 64 x 128, one CTA sharing each weight block between its two consumers instead of
+// two CTAs reading it twice (QKV, KV, o and down projections at M = 96 / 128: 1.6% to 10% faster);
+// the 70% bar (75% before) takes 128 x 192 at M = 192 on the widest weights (8B's gate-up 0.68 ->
+// 0.91, N = 12288 0.85 -> 0.92).
 inline GemmTile choose_gemm_tile(int m, int n, int num_sms) {
   static constexpr GemmTile kTileOrder[] = {{128, 256, false}, {128, 128, false}, {64, 128, false},
                                             {128, 64, false},  {128, 32, false},  {64, 64, false},
