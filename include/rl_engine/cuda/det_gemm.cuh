@@ -502,9 +502,12 @@ struct SwapEpilogue {
 // order, through the det_gemm epilogue: the same additions as a CTA that computes every range.
 // Where N is a multiple of 4 a thread takes four columns and loads every range's four sums (16
 // bytes each) before its first addition, so that its loads are in flight together: the sums were
-// just written and sit in L2, and a thread that waited for each pair of each range in turn made
-// the kernel a chain of L2 round trips (Nsight Compute at 2709630, 4B's o projection at M = 128:
-// 5.0 us beside the GEMM's 14.4, stalled on memory 14 cycles per instruction issued).
+// just written and sit in L2, where a pair a thread, loaded range after range, left the kernel
+// stalled on memory (Nsight Compute at 2709630, 4B's o projection at M = 128: 5.0 us beside the
+// GEMM's 14.4, 14 cycles of memory stall per instruction issued). Measured against that kernel in
+// one command on an H100 (benchmarks/results/h100/412aae5/ab/): the split shapes' det_gemm 1.2-7.5%
+// faster at M = 16-64 (the KV projections 2.6-7.5%), 0.1-2.7% at M = 96-192, and at M = 256 two
+// of the four 1.5% slower.
 template <typename Epi>
 __global__ void __launch_bounds__(256)
     rlk_det_gemm_combine_kernel(const float* __restrict__ ws, int splits, int m, int n, const Epi epi) {
