@@ -4,13 +4,15 @@ benchmarks/det_gemm_plans.py times every plan det_gemm could run at each (shape,
 This script compiles plan_det_gemm (include/rl_engine/cuda/det_gemm.cuh, host code) with nvcc,
 asks it for its pick at each row of each sweep, with that sweep's SM count, and reads the pick's
 ratio against cuBLAS from the sweep. It prints the rows whose pick changed and the det_gemm speed
-targets met by the sweep's own picks, by this tree's and by the fastest plans, so that a change to
+targets met by the sweep's own picks, by this tree's and by the sweep's best plans (det_gemm_plans.py's:
+the fastest, where it beats the pick by more than the timing noise), so that a change to
 choose_gemm_tile can be weighed on every card swept before it runs on one.
 
     python benchmarks/det_gemm_replay.py SWEEP.json [SWEEP.json ...] [--out replay.json]
 
 A ratio replayed this way is one measured at the sweep's commit: the kernels must be the same, and
-only the choice among them may differ. Exit status 1 when this tree picks a plan a sweep never timed.
+only the choice among them may differ. Exit status 1 when this tree picks a plan a sweep never timed,
+2 for input it cannot read (a file that is no sweep, a header that does not compile).
 """
 
 from __future__ import annotations
@@ -23,10 +25,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hopper_targets import judge
-from rl_engine.artifacts import files
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # rl_engine from this checkout: no install (and no torch) needed
+
+from hopper_targets import judge  # noqa: E402
+from rl_engine.artifacts import files  # noqa: E402
+
+ROW_KEYS = ("shape", "m", "n", "k", "pick", "pick_ratio", "best", "best_ratio", "plans")
+PLAN_KEYS = ("plan", "bm", "bn", "swapped", "across")
 PROGRAM = r"""
 #include <cstdio>
 #include "rl_engine/cuda/det_gemm.cuh"
@@ -41,11 +47,15 @@ int main() {
 """
 
 
+def fail(message: str):
+    print(f"det_gemm_replay: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def nvcc() -> str:
     found = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     if not Path(found).exists():
-        sys.exit("det_gemm_replay: needs nvcc (the tile choice is compiled from the CUDA header); "
-                 "put the CUDA toolkit's bin on PATH")
+        fail("needs nvcc (the tile choice is compiled from the CUDA header); put the CUDA toolkit's bin on PATH")
     return found
 
 
@@ -57,21 +67,30 @@ def tree_picks(queries: list[tuple[int, int, int, int]]) -> list[tuple[int, int,
         build = subprocess.run([nvcc(), "-O1", "-std=c++17", "--expt-relaxed-constexpr", "-I",
                                 str(ROOT / "include"), "-o", str(exe), str(src)], capture_output=True, text=True)
         if build.returncode != 0:
-            sys.exit(f"det_gemm_replay: the tile choice did not compile:\n{build.stderr[-3000:]}")
+            fail(f"the tile choice did not compile:\n{build.stderr[-3000:]}")
         feed = "".join(f"{m} {n} {k} {sms}\n" for m, n, k, sms in queries)
         out = subprocess.run([str(exe)], input=feed, capture_output=True, text=True, check=True).stdout
-    return [(int(a), int(b), c == "1", d == "1") for a, b, c, d in (line.split() for line in out.splitlines())]
+    picks = [(int(a), int(b), c == "1", d == "1") for a, b, c, d in (line.split() for line in out.splitlines())]
+    if len(picks) != len(queries):
+        fail(f"the tile choice answered {len(picks)} of {len(queries)} rows")
+    return picks
 
 
 def load(path: Path) -> dict:
     try:
         sweep = json.loads(path.read_text())
         rows, sms = sweep["rows"], int(sweep["sm_count"])
+        for row in rows:
+            missing = [key for key in ROW_KEYS if key not in row]
+            lacking = next((key for plan in row.get("plans", []) for key in PLAN_KEYS if key not in plan), None)
+            missing += [f"plans[].{lacking}"] if lacking else []
+            if missing:
+                raise ValueError(f"a row lacks {', '.join(missing)}")
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        sys.exit(f"det_gemm_replay: {path} is not a det_gemm_plans.py result ({exc}); "
-                 "pass the JSON that benchmarks/det_gemm_plans.py --out wrote")
+        fail(f"{path} is not a det_gemm_plans.py result ({exc}); pass the JSON that "
+             "benchmarks/det_gemm_plans.py --out wrote")
     if not rows:
-        sys.exit(f"det_gemm_replay: {path} has no rows: rerun det_gemm_plans.py until at least one row is timed")
+        fail(f"{path} has no rows: rerun det_gemm_plans.py until at least one row is timed")
     return dict(sweep, rows=rows, sm_count=sms)
 
 

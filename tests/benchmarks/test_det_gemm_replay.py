@@ -5,6 +5,7 @@ replay reads for a row is known: the ratio of the plan plan_det_gemm picks, and 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -45,8 +46,11 @@ def sweep(tmp_path, rows, name="sweep.json"):
 
 
 def run(*args):
+    # The script finds rl_engine itself; nvcc's folder goes first on PATH, as a user's shell would have it.
+    env = {**os.environ, "PATH": os.pathsep.join([str(Path(NVCC).parent) if NVCC else "", os.environ.get("PATH", "")])}
+    env.pop("PYTHONPATH", None)
     return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
-                          cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/local/cuda/bin:/usr/bin:/bin"})
+                          cwd=ROOT, env=env)
 
 
 @needs_nvcc
@@ -81,5 +85,20 @@ def test_a_file_that_is_no_sweep_is_refused(tmp_path):
     bad = tmp_path / "hopper_ops.json"
     bad.write_text(json.dumps(dict(gemm=[])))
     done = run(bad)
-    assert done.returncode != 0
+    assert done.returncode == 2
     assert "is not a det_gemm_plans.py result" in done.stderr and "--out" in done.stderr
+
+
+def test_a_row_without_its_plans_is_refused(tmp_path):
+    r = row(1, "32x8 swapped", {PLANS[0]: 1.0, PLANS[1]: 0.5, PLANS[2]: 0.5})
+    del r["plans"][1]["bn"]
+    done = run(sweep(tmp_path, [r]))
+    assert done.returncode == 2
+    assert "a row lacks plans[].bn" in done.stderr
+
+
+def test_a_missing_or_empty_sweep_is_refused(tmp_path):
+    done = run(tmp_path / "nowhere.json")
+    assert done.returncode == 2 and "is not a det_gemm_plans.py result" in done.stderr
+    done = run(sweep(tmp_path, []))
+    assert done.returncode == 2 and "has no rows" in done.stderr

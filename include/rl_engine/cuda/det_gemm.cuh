@@ -655,7 +655,8 @@ inline bool gemm_one_resident_pass(int64_t items, int bn, int num_sms) {
 // the SMs' time over whole waves that computes output elements that exist (a half-empty wave or
 // tile counts as lost), times the tile's own efficiency (narrower tiles move more shared memory
 // per product); the best is taken where that exceeds 70%. Otherwise (and from M = 33) it takes the
-// first tile of kTileOrder (largest first, one of 64 rows before the narrow ones of 128) whose grid
+// first tile of kTileOrder (largest first, one of 64 rows before the narrow ones of 128; at M =
+// 65-128 kOneBlockOrder, where 128 x 64 comes before 64 x 128) whose grid
 // either fills one wave to between 55% and 100% of the SMs or keeps at least 80% of them busy in
 // every wave; tiles of 128 rows only above M = 64, where 64 x 32 is taken when none fits. Up to
 // M = 32 (decode), and up to 64 where none fits (narrow N), the product is a stream of the weight:
@@ -678,7 +679,11 @@ inline bool gemm_one_resident_pass(int64_t items, int bn, int num_sms) {
 // 128 x 64 before 64 x 128, one CTA sharing each weight block between its two consumers instead of
 // two CTAs reading it twice (QKV, KV, o and down projections at M = 96 / 128: 1.6% to 10% faster);
 // the 70% bar (75% before) takes 128 x 192 at M = 192 on the widest weights (8B's gate-up 0.68 ->
-// 0.91, N = 12288 0.85 -> 0.92).
+// 0.91, N = 12288 0.85 -> 0.92). The bar also moves picks that no sweep has timed, just past
+// whole 128-row blocks, where a 128-row tile of 160 or 192 columns fills the SMs' waves that a
+// wider one left part empty, or a 64-row one left a part wave (at 132 SMs, over the shapes of
+// benchmarks/hopper_ops.py: M = 96-109 on the gate-up projections, then ranges of 1 to 162 values
+// of M from 191-204 up to 4737-4898); det_gemm_plans.py --m times them.
 inline GemmTile choose_gemm_tile(int m, int n, int num_sms) {
   static constexpr GemmTile kTileOrder[] = {{128, 256, false}, {128, 128, false}, {64, 128, false},
                                             {128, 64, false},  {128, 32, false},  {64, 64, false},
@@ -998,8 +1003,9 @@ cudaError_t launch_det_gemm_sm90(const GemmOperands& op, const Epi& epi, int num
 
 // det_gemm as plan_det_gemm(op.m, op.n, op.k, num_sms, ...) laid it out, into epi (a StoreEpilogue);
 // scratch holds plan.scratch_floats floats (null only when that is 0: a split across CTAs without it
-// is cudaErrorInvalidValue). Split across CTAs, the tiles write their range sums to scratch and
-// rlk_det_gemm_combine_kernel adds them up into epi.
+// is cudaErrorInvalidValue), 16-byte aligned, as every allocator gives it (the range sums are read
+// 16 bytes at a time where N is a multiple of 4). Split across CTAs, the tiles write their range
+// sums to scratch and rlk_det_gemm_combine_kernel adds them up into epi.
 template <typename Out>
 cudaError_t launch_det_gemm_planned(const GemmOperands& op, const StoreEpilogue<Out>& epi,
                                     const GemmPlan& plan, float* scratch, int num_sms, cudaStream_t stream) {
