@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 import rl_engine.ops  # noqa: F401  (loads the extension)
 from hopper_ops import GEMM_M, GEMM_SHAPES, L2_BYTES, randn, time_graphs
-from hopper_targets import judge
+from hopper_targets import det_gemm_verdicts
 from provenance import add_source_args, source_of
 from rl_engine.artifacts import files
 from rl_engine.ops import _lib
@@ -82,11 +82,7 @@ def row_summary(shape: str, m: int, n: int, k: int, plans: list[dict]) -> dict:
 def targets(rows: list[dict]) -> dict:
     """The det_gemm ratio targets judged on the picks and on the fastest plans (rows at token counts
     no target names are left out, and so are rows with no ratio)."""
-    def verdicts(key):
-        got = judge(dict(gemm=[dict(op="det_gemm", shape=r["shape"], m=r["m"], ratio=r[key])
-                               for r in rows if r[key] is not None]))
-        return {name: got[name] for name in ("det_gemm_ratio_decode_m", "det_gemm_ratio_large_m")}
-    return dict(pick=verdicts("pick_ratio"), best=verdicts("best_ratio"))
+    return dict(pick=det_gemm_verdicts(rows, "pick_ratio"), best=det_gemm_verdicts(rows, "best_ratio"))
 
 
 def time_plan(ops, plan, xm, ws, want, calls, repeats) -> dict:

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # rl_engine from this checkout: no install (and no torch) needed
 
-from hopper_targets import judge  # noqa: E402
+from hopper_targets import det_gemm_verdicts  # noqa: E402
 from rl_engine.artifacts import files  # noqa: E402
 
 ROW_KEYS = ("shape", "m", "n", "k", "pick", "pick_ratio", "best", "best_ratio", "plans")
@@ -95,10 +95,7 @@ def load(path: Path) -> dict:
 
 
 def verdicts(rows: list[dict], key: str) -> dict:
-    got = judge(dict(gemm=[dict(op="det_gemm", shape=r["shape"], m=r["m"], ratio=r[key])
-                           for r in rows if r.get(key) is not None]))
-    return {name: f"{got[name]['rows_met']} of {got[name]['rows']}"
-            for name in ("det_gemm_ratio_decode_m", "det_gemm_ratio_large_m")}
+    return {name: f"{v['rows_met']} of {v['rows']}" for name, v in det_gemm_verdicts(rows, key).items()}
 
 
 def replay(sweep: dict) -> dict:

@@ -76,3 +76,11 @@ def judge(result: dict) -> dict:
         "rmsnorm_backward_tbs": _verdict(_row(memory, "rmsnorm_backward"),
                                          lambda r: r["r_tbs"], t["rmsnorm_backward_tbs"], lambda r: r["op"]),
     }
+
+
+def det_gemm_verdicts(rows: list[dict], key: str) -> dict:
+    """The two det_gemm ratio targets judged on rows of (shape, m, key), as det_gemm_plans.py and
+    det_gemm_replay.py record a plan per row (rows whose key is None are left out)."""
+    got = judge(dict(gemm=[dict(op="det_gemm", shape=r["shape"], m=r["m"], ratio=r[key])
+                           for r in rows if r.get(key) is not None]))
+    return {name: got[name] for name in ("det_gemm_ratio_decode_m", "det_gemm_ratio_large_m")}

@@ -508,13 +508,17 @@ struct SwapEpilogue {
 // one command on an H100 (benchmarks/results/h100/412aae5/ab/): the split shapes' det_gemm 1.2-7.5%
 // faster at M = 16-64 (the KV projections 2.6-7.5%), 0.1-2.7% at M = 96-192, and at M = 256 two
 // of the four 1.5% slower.
+// Whether the range sums are added four columns a thread (the kernel's path and its launch's grid).
+__host__ __device__ constexpr bool combine_by_quads(int n, int splits) {
+  return n % 4 == 0 && splits <= gemm_cfg::kMaxSplits;
+}
 template <typename Epi>
 __global__ void __launch_bounds__(256)
     rlk_det_gemm_combine_kernel(const float* __restrict__ ws, int splits, int m, int n, const Epi epi) {
   ptx::grid_dependency_wait();  // the range sums come from the kernel just before
   const int64_t mn = static_cast<int64_t>(m) * n, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (n % 4 == 0 && splits <= gemm_cfg::kMaxSplits) {
+  if (combine_by_quads(n, splits)) {
     const float4* quads = reinterpret_cast<const float4*>(ws);
     const int64_t slice = mn / 4;
     for (int64_t i = first; i < slice; i += stride) {
@@ -1019,7 +1023,7 @@ cudaError_t launch_det_gemm_planned(const GemmOperands& op, const StoreEpilogue<
   cudaError_t e = launch_det_gemm_on(plan.tile, op, sums, split, num_sms, stream);
   if (e != cudaSuccess) return e;
   // Four columns a thread where N allows (see the kernel), else a pair.
-  const int64_t per_row = op.n % 4 == 0 && split.splits <= gemm_cfg::kMaxSplits ? op.n / 4 : (op.n + 1) / 2;
+  const int64_t per_row = combine_by_quads(op.n, split.splits) ? op.n / 4 : (op.n + 1) / 2;
   const int64_t blocks = (static_cast<int64_t>(op.m) * per_row + 255) / 256;
   PdlLaunch launch(static_cast<int>(blocks < 8 * num_sms ? blocks : 8 * num_sms), 256, 0, stream);
   return cudaLaunchKernelEx(&launch.cfg, rlk_det_gemm_combine_kernel<StoreEpilogue<Out>>,
