@@ -52,8 +52,8 @@ def reference(q, k, v, cu_q, cu_k, pos, scale):
     outs, lses = [], []
     for b in range(cu_q.numel() - 1):
         qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
-        kb = k[ks:ke].repeat_interleave(HQ // HKV, dim=1)
-        vb = v[ks:ke].repeat_interleave(HQ // HKV, dim=1)
+        kb = k[ks:ke].repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        vb = v[ks:ke].repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         s = torch.einsum("qhd,khd->hqk", q[qs:qe], kb) * scale
         visible = torch.arange(ke - ks, device=DEV)[None, :] <= pos[qs:qe, None]
         s = s.masked_fill(~visible, -math.inf)
@@ -96,12 +96,14 @@ def paged(k_seq, v_seq, lens, page, shuffle, seed=7):
     return k_cache, v_cache, table.to(DEV), i32(lens)
 
 
-# (bf16, 128, 128, 128): head_dim 128 as its models run it, query chunks of one block.
-@pytest.mark.parametrize("dtype,d,block,chunk", [
-    (torch.bfloat16, 128, 128, 128), (torch.bfloat16, 128, 64, 64), (torch.bfloat16, 64, 16, 64),
-    (torch.float16, 128, 32, 64), (torch.float16, 64, 128, 64)])
-def test_forward_and_backward_match_reference(ops, dtype, d, block, chunk):
-    q, k, v, cu_q, cu_k, pos = packed([1, 70, 200, 130], d, dtype)
+# (bf16, 128, 128, 128): head_dim 128 as its models run it, query chunks of one block. Three q heads
+# a kv head: the dk/dv walk at head_dim 64 takes one head a step, where four take two.
+@pytest.mark.parametrize("dtype,d,block,chunk,heads", [
+    (torch.bfloat16, 128, 128, 128, (HQ, HKV)), (torch.bfloat16, 128, 64, 64, (HQ, HKV)),
+    (torch.bfloat16, 64, 16, 64, (HQ, HKV)), (torch.float16, 128, 32, 64, (HQ, HKV)),
+    (torch.float16, 64, 128, 64, (HQ, HKV)), (torch.bfloat16, 64, 128, 40, (6, 2))])
+def test_forward_and_backward_match_reference(ops, dtype, d, block, chunk, heads):
+    q, k, v, cu_q, cu_k, pos = packed([1, 70, 200, 130], d, dtype, heads=heads)
     out, lse = fwd(ops, q, k, v, cu_q, cu_k, pos, block)
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     ref_out, ref_lse = reference(qr, kr, vr, cu_q, cu_k, pos, d ** -0.5)
@@ -197,11 +199,14 @@ def test_packed_batch_equals_each_sequence_alone(ops, block):
             assert torch.equal(a, together[r]), b
 
 
-# (128, 128): head_dim 128's kv_block_size, the one its models run with.
+# (128, 128): head_dim 128's kv_block_size, the one its models run with. At head_dim 64 the dk/dv
+# walk takes two heads a step where the group splits into pairs (four q heads a kv head), one where
+# it does not (three); chunks of 40 rows end steps part way through.
 @pytest.mark.parametrize("block,chunk", [(64, 64), (64, 40), (128, 128)])
-def test_backward_repeats_and_context_parallel_split_equals_one_call(ops, block, chunk):
+@pytest.mark.parametrize("d,heads", [(128, (HQ, HKV)), (64, (HQ, HKV)), (64, (3, 1))])
+def test_backward_repeats_and_context_parallel_split_equals_one_call(ops, block, chunk, d, heads):
     n, cp = 4 * chunk, 2
-    q, k, v, cu, _, pos = packed([n], 128, seed=13)
+    q, k, v, cu, _, pos = packed([n], d, seed=13, heads=heads)
     do = randn(*q.shape, dtype=q.dtype, seed=14)
     out, lse = fwd(ops, q, k, v, cu, cu, pos, block)
     full = bwd(ops, do, q, k, v, out, lse, cu, cu, pos, block, chunk)

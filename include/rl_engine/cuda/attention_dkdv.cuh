@@ -3,8 +3,11 @@
 // One CTA per 128 keys of one kv head, warpgroup c owning keys 64c .. 64c + 63. The CTA walks the
 // query rows of its sequence chunk by chunk (a chunk is the rows with position // q_chunk_size ==
 // c), each chunk in 64-row steps anchored at the chunk's first row, the heads of the kv group
-// inside each step in head order. Per step, with the keys as the m64 rows: S^T = K Q^T,
-// dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q, 16 query rows per k16 step in row order. A
+// inside each step in head order, H of them at a time (H = 2 at head_dim 64 where the group's size
+// is even, else 1): a step's columns are 64 rows of head h, then the same rows of head h + 1. Per
+// step, with the keys as the m64 rows: S^T = K Q^T, dP^T = V dO^T over the step's 64 H columns,
+// then dV += P^T dO and dK += dS^T Q, 16 columns per k16 step in column order, which is the order
+// of one head a step: H only groups the k16 products, so it never shows in the bits. A
 // chunk's fp32 partial is added to dk/dv in chunk order (dk += scale * part) by the one thread that
 // owns each element, so a call holding only some whole chunks computes the same partials as a call
 // holding all of them: the context-parallel split gives the bits of one call. The first warp also
@@ -17,7 +20,8 @@ namespace rl_engine::cuda::attn {
 
 constexpr int kDkvStepRows = 64;
 
-// One step of the walk: rows [r, r + n) of head h of the group; chunk_end ends r's chunk.
+// One step of the walk: rows [r, r + n) of heads h .. h + H - 1 of the group; chunk_end ends r's
+// chunk.
 struct Step {
   int r, n, h, chunk_end;
 };
@@ -33,7 +37,8 @@ __device__ __forceinline__ int lower_bound_pos(const int64_t* pos, int lo, int h
 }
 
 // The sequence of steps of one key tile (the producer walks it and hands each Step on in its
-// stage). ends[r] is the row after row r's chunk.
+// stage), H heads a step. ends[r] is the row after row r's chunk.
+template <int H>
 struct StepWalk {
   const int32_t* ends;
   int qend, group;
@@ -53,8 +58,8 @@ struct StepWalk {
   }
   __device__ __forceinline__ Step next(const Step& st, int following) const {
     Step nx = st;
-    if (st.h + 1 < group) {
-      nx.h = st.h + 1;
+    if (st.h + H < group) {
+      nx.h = st.h + H;
       return nx;
     }
     nx.h = 0;
@@ -66,20 +71,30 @@ struct StepWalk {
     nx.n = min(kDkvStepRows, nx.chunk_end - nx.r);
     return nx;
   }
-  // Whether st is the last step of its chunk (its last rows, the group's last head).
+  // Whether st is the last step of its chunk (its last rows, the group's last heads).
   __device__ __forceinline__ bool ends_chunk(const Step& st) const {
-    return st.h + 1 == group && st.r + kDkvStepRows >= st.chunk_end;
+    return st.h + H == group && st.r + kDkvStepRows >= st.chunk_end;
   }
 };
 
+// Heads a step of the dk/dv walk takes (see the top of this file): two where that fits a thread's
+// registers (head_dim 64: 250 with two, 185 with one; head_dim 128 has 248 with one) and the group
+// splits into pairs. Two make S^T and dP^T m64n128k16 products, which stage fewer shared-memory
+// bytes per product than m64n64k16, and halve the steps' barriers and copies (benchmarks/
+// kernel_ab.sh on an H100, 8k tokens, 32 / 8 heads: dk/dv 2.50 ms -> 2.18 at chunks of 64 rows,
+// 2.30 -> 2.00 at 128; the same bits).
 template <int D>
+constexpr int kDkvMostHeads = D == 64 ? 2 : 1;
+
+template <int D, int H>
 struct WgDkv {
   static constexpr int kPanels = D / 64;
+  static constexpr int kCols = H * kDkvStepRows;                // a step's columns: H heads' rows
   static constexpr uint32_t kKvTile = kDkvKeys * D * 2;         // K or V of the CTA's keys
-  static constexpr uint32_t kRowTile = kDkvStepRows * D * 2;    // Q or dO of one step
-  // lse, delta and pos of the step's rows, then the Step itself (padded: stages stay 1024-aligned)
-  static constexpr uint32_t kMeta = 2048;
-  static_assert(kDkvStepRows * (4 + 4 + 8) + sizeof(Step) <= kMeta, "stage metadata");
+  static constexpr uint32_t kRowTile = kCols * D * 2;           // Q or dO of one step
+  // lse, delta and pos of the step's columns, then the Step itself (padded: stages stay
+  // 1024-aligned)
+  static constexpr uint32_t kMeta = (kCols * (4 + 4 + 8) + sizeof(Step) + 1023) / 1024 * 1024;
   static constexpr uint32_t kStage = 2 * kRowTile + kMeta;
   static constexpr int kStages = 4;
   static constexpr int kSmemBytes = 1024 + 2 * kKvTile + kStages * kStage + RingBarriers<kStages>::kBytes;
@@ -98,13 +113,14 @@ __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(WgDkv<D>::kThreads, 1)
+template <typename T, int D, int H>
+__global__ void __launch_bounds__(WgDkv<D, H>::kThreads, 1)
     rlk_attention_bwd_dkdv_kernel(const __grid_constant__ CUtensorMap map_q,
                                   const __grid_constant__ CUtensorMap map_do,
                                   const __grid_constant__ CUtensorMap map_k,
                                   const __grid_constant__ CUtensorMap map_v, BwdParams p) {
-  using C = WgDkv<D>;
+  using C = WgDkv<D, H>;
+  constexpr int kCols = C::kCols;
   constexpr bool kHalf = std::is_same_v<T, __half>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t ks = (smem_u32(smem_raw) + 1023u) & ~1023u, vs = ks + C::kKvTile;
@@ -122,15 +138,15 @@ __global__ void __launch_bounds__(WgDkv<D>::kThreads, 1)
   if (!find_tile(p.cu_k, p.batch, kDkvKeys, blockIdx.x / p.hkv, b, tile)) return;
   const int kbase = p.cu_k[b], klen = p.cu_k[b + 1] - kbase, kstart = tile * kDkvKeys;
   const int qbeg = p.cu_q[b], qend = p.cu_q[b + 1], group = p.hq / p.hkv;
-  const StepWalk walk{p.chunk_end, qend, group};
+  const StepWalk<H> walk{p.chunk_end, qend, group};
   rb.init(1 + 32, 2);  // full: the copy lane's expect_tx and one cp.async arrival per lane
   __syncthreads();
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
 
   // The producer: warp 0 copies step `pit` of the walk `pcur` into its stage once both
   // warpgroups have released the stage's previous step (one lane issues the tensor copies and
-  // stores the Step, every lane two rows' lse, delta and position, whose landing it signals on the
-  // stage's barrier). After the last step a stage holding only a Step with r = qend ends the walk.
+  // stores the Step, every lane 2 H columns' lse, delta and position, whose landing it signals on
+  // the stage's barrier). After the last step a stage holding only a Step with r = qend ends the walk.
   Step pcur = walk.first(p.pos, qbeg, kstart, p.q_chunk, kstart < klen);
   int following = walk.following_end(pcur), pit = 0;
   bool walked = false;
@@ -149,17 +165,20 @@ __global__ void __launch_bounds__(WgDkv<D>::kThreads, 1)
     }
     if (lane == 0) {
       for (int pn = 0; pn < C::kPanels; ++pn) {
-        ptx::tma_load_3d(q_tile(s) + pn * kDkvStepRows * 128, &map_q, rb.full(s), 64 * pn, hh, pcur.r);
-        ptx::tma_load_3d(q_tile(s) + C::kRowTile + pn * kDkvStepRows * 128, &map_do, rb.full(s), 64 * pn,
-                         hh, pcur.r);
+        for (int e = 0; e < H; ++e) {  // head hh + e into columns 64 e .. 64 e + 63
+          const uint32_t at = pn * kCols * 128 + e * kDkvStepRows * 128;
+          ptx::tma_load_3d(q_tile(s) + at, &map_q, rb.full(s), 64 * pn, hh + e, pcur.r);
+          ptx::tma_load_3d(q_tile(s) + C::kRowTile + at, &map_do, rb.full(s), 64 * pn, hh + e, pcur.r);
+        }
       }
     }
-    for (int row = lane; row < kDkvStepRows; row += 32) {
+    for (int col = lane; col < kCols; col += 32) {
+      const int row = col % kDkvStepRows;
       const bool ok = row < pcur.n;
-      const int64_t i = (int64_t)(pcur.r + (ok ? row : 0)) * p.hq + hh;
-      cp_async4or8<4>(meta(s) + row * 4, p.lse + i, ok);
-      cp_async4or8<4>(meta(s) + kDkvStepRows * 4 + row * 4, p.delta + i, ok);
-      cp_async4or8<8>(meta(s) + kDkvStepRows * 8 + row * 8, p.pos + pcur.r + (ok ? row : 0), ok);
+      const int64_t i = (int64_t)(pcur.r + (ok ? row : 0)) * p.hq + hh + col / kDkvStepRows;
+      cp_async4or8<4>(meta(s) + col * 4, p.lse + i, ok);
+      cp_async4or8<4>(meta(s) + kCols * 4 + col * 4, p.delta + i, ok);
+      cp_async4or8<8>(meta(s) + kCols * 8 + col * 8, p.pos + pcur.r + (ok ? row : 0), ok);
     }
     cp_async_arrive(rb.full(s));
     const Step nx = walk.next(pcur, following);
@@ -232,45 +251,46 @@ __global__ void __launch_bounds__(WgDkv<D>::kThreads, 1)
     if (cur.n < kDkvStepRows) {
       // The copies read past the chunk (rows that are masked); zero them so that 0 * x adds
       // exactly zero even where x is inf or NaN.
-      zero_rows<D, kDkvStepRows>(qs, cur.n, tid);
-      zero_rows<D, kDkvStepRows>(ds, cur.n, tid);
+      for (int e = 0; e < H; ++e) {
+        zero_rows<D, kCols>(qs, e * kDkvStepRows + cur.n, tid, (e + 1) * kDkvStepRows);
+        zero_rows<D, kCols>(ds, e * kDkvStepRows + cur.n, tid, (e + 1) * kDkvStepRows);
+      }
       ptx::fence_proxy_async_smem();
       ptx::named_bar_sync(1 + c, 128);
     }
     const float* lse_s = reinterpret_cast<const float*>(meta_ptr(s));
-    const float* delta_s = lse_s + kDkvStepRows;
-    const int64_t* pos_s = reinterpret_cast<const int64_t*>(lse_s + 2 * kDkvStepRows);
+    const float* delta_s = lse_s + kCols;
+    const int64_t* pos_s = reinterpret_cast<const int64_t*>(lse_s + 2 * kCols);
     // Whether every row of the step sees every key of this warpgroup (the step's first row has
     // the least position), so that nothing needs masking.
     const bool all_visible = cur.n == kDkvStepRows && kstart + c * 64 + 63 <= pos_s[0] &&
                              kstart + c * 64 + 64 <= klen;
-    // sc, dp: S^T and dP^T, rows the warp's keys, columns the step's query rows.
-    float sc[kDkvStepRows / 8][4], dp[kDkvStepRows / 8][4];
-    two_kmajor_products<kDkvStepRows, D, kHalf>(sc, k_rows, qs, dp, v_rows, ds, kDkvKeys * 128,
-                                                kDkvStepRows * 128);
+    // sc, dp: S^T and dP^T, rows the warp's keys, columns the step's (head, query row) pairs.
+    float sc[kCols / 8][4], dp[kCols / 8][4];
+    two_kmajor_products<kCols, D, kHalf>(sc, k_rows, qs, dp, v_rows, ds, kDkvKeys * 128, kCols * 128);
 #pragma unroll
-    for (int n = 0; n < kDkvStepRows / 8; ++n) {
+    for (int n = 0; n < kCols / 8; ++n) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int key = kstart + wkey + (lane >> 2) + 8 * (i >> 1);
-        const int row = n * 8 + 2 * (lane & 3) + (i & 1);
-        const bool vis = all_visible || (row < cur.n && key <= pos_s[row] && key < klen);
-        const float pr = ex2(__fmaf_rn(sc[n][i], p.scale_log2, -__fmul_rn(lse_s[row], kLog2e)));
+        const int col = n * 8 + 2 * (lane & 3) + (i & 1), row = col % kDkvStepRows;
+        const bool vis = all_visible || (row < cur.n && key <= pos_s[col] && key < klen);
+        const float pr = ex2(__fmaf_rn(sc[n][i], p.scale_log2, -__fmul_rn(lse_s[col], kLog2e)));
         sc[n][i] = vis ? pr : 0.f;
-        dp[n][i] = vis ? __fmul_rn(pr, __fsub_rn(dp[n][i], delta_s[row])) : 0.f;
+        dp[n][i] = vis ? __fmul_rn(pr, __fsub_rn(dp[n][i], delta_s[col])) : 0.f;
       }
     }
-    uint32_t ap[kDkvStepRows / 16][4], as[kDkvStepRows / 16][4];
+    uint32_t ap[kCols / 16][4], as[kCols / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < kDkvStepRows / 16; ++kk) {
+    for (int kk = 0; kk < kCols / 16; ++kk) {
       c_to_a<T>(ap[kk], sc, kk);
       c_to_a<T>(as[kk], dp, kk);
     }
     ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kDkvStepRows / 16; ++kk) {
-      nmajor_step<D, kHalf>(pv, ap[kk], ds, kDkvStepRows * 128, kk);
-      nmajor_step<D, kHalf>(pk, as[kk], qs, kDkvStepRows * 128, kk);
+    for (int kk = 0; kk < kCols / 16; ++kk) {
+      nmajor_step<D, kHalf>(pv, ap[kk], ds, kCols * 128, kk);
+      nmajor_step<D, kHalf>(pk, as[kk], qs, kCols * 128, kk);
     }
     ptx::wgmma_commit();
     ptx::wgmma_wait<0>();
@@ -281,10 +301,10 @@ __global__ void __launch_bounds__(WgDkv<D>::kThreads, 1)
   }
 }
 
-template <typename T, int D>
-cudaError_t launch_attention_dkdv(const BwdParams& p, int64_t tq, int64_t tk, int k_tiles,
-                                  cudaStream_t stream) {
-  using C = WgDkv<D>;
+template <typename T, int D, int H>
+cudaError_t launch_attention_dkdv_heads(const BwdParams& p, int64_t tq, int64_t tk, int k_tiles,
+                                        cudaStream_t stream) {
+  using C = WgDkv<D, H>;
   constexpr bool kHalf = std::is_same_v<T, __half>;
   CUtensorMap mq, mdo, mk, mv;
   cudaError_t e = encode_rows_map(&mq, p.q, kHalf, tq, p.hq, D, kDkvStepRows);
@@ -296,10 +316,19 @@ cudaError_t launch_attention_dkdv(const BwdParams& p, int64_t tq, int64_t tk, in
   const size_t bytes = static_cast<size_t>(tk) * p.hkv * D * sizeof(float);
   if ((e = cudaMemsetAsync(p.dk, 0, bytes, stream)) != cudaSuccess) return e;
   if ((e = cudaMemsetAsync(p.dv, 0, bytes, stream)) != cudaSuccess) return e;
-  auto kernel = rlk_attention_bwd_dkdv_kernel<T, D>;
+  auto kernel = rlk_attention_bwd_dkdv_kernel<T, D, H>;
   if ((e = set_smem(kernel, C::kSmemBytes)) != cudaSuccess) return e;
   kernel<<<k_tiles * p.hkv, C::kThreads, C::kSmemBytes, stream>>>(mq, mdo, mk, mv, p);
   return cudaGetLastError();
+}
+
+template <typename T, int D>
+cudaError_t launch_attention_dkdv(const BwdParams& p, int64_t tq, int64_t tk, int k_tiles,
+                                  cudaStream_t stream) {
+  if constexpr (kDkvMostHeads<D> == 2) {
+    if ((p.hq / p.hkv) % 2 == 0) return launch_attention_dkdv_heads<T, D, 2>(p, tq, tk, k_tiles, stream);
+  }
+  return launch_attention_dkdv_heads<T, D, 1>(p, tq, tk, k_tiles, stream);
 }
 
 }  // namespace rl_engine::cuda::attn

@@ -136,11 +136,11 @@ __device__ __forceinline__ void nmajor_step(float (&acc)[N / 8][4], const uint32
   ptx::wgmma_rs<N, kHalf>(reinterpret_cast<float(&)[N / 2]>(acc), a, ptx::smem_desc_sw128_mn(b + kk * 16 * 128, panel));
 }
 
-// Zeroes rows [from, ROWS) of a [ROWS][D] tile of 64-column panels in shared memory (tid of 128).
+// Zeroes rows [from, to) of a [ROWS][D] tile of 64-column panels in shared memory (tid of 128).
 template <int D, int ROWS>
-__device__ __forceinline__ void zero_rows(uint32_t tile, int from, int tid) {
+__device__ __forceinline__ void zero_rows(uint32_t tile, int from, int tid, int to = ROWS) {
   constexpr int kPanels = D / 64;
-  for (int i = tid; i < (ROWS - from) * kPanels * 8; i += 128) {
+  for (int i = tid; i < (to - from) * kPanels * 8; i += 128) {
     const int r = from + i / (kPanels * 8), pn = (i / 8) % kPanels, ch = i % 8;
     asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(tile + pn * ROWS * 128 + r * 128 + ch * 16),
                  "r"(0)
