@@ -661,8 +661,8 @@ inline bool gemm_one_resident_pass(int64_t items, int bn, int num_sms) {
 // per product); the best is taken where that exceeds 70%. Otherwise (and from M = 33) it takes the
 // first tile of kTileOrder (largest first, one of 64 rows before the narrow ones of 128; at M =
 // 65-128 kOneBlockOrder, where 128 x 64 comes before 64 x 128) whose grid
-// either fills one wave to between 55% and 100% of the SMs or keeps at least 80% of them busy in
-// every wave; tiles of 128 rows only above M = 64, where 64 x 32 is taken when none fits. Up to
+// either fills one wave to between 55% (50% for 128 x 128 above M = 256) and 100% of the SMs or
+// keeps at least 80% of them busy in every wave; tiles of 128 rows only above M = 64, where 64 x 32 is taken when none fits. Up to
 // M = 32 (decode), and up to 64 where none fits (narrow N), the product is a stream of the weight:
 // swapped tiles with M rounded up to 8, 16, 32 or 64 as the narrow side, and slabs of 32 weight
 // rows; 64 rows where that still leaves two slabs an SM (reached only up to M = 32: at such N a
@@ -683,11 +683,14 @@ inline bool gemm_one_resident_pass(int64_t items, int bn, int num_sms) {
 // 128 x 64 before 64 x 128, one CTA sharing each weight block between its two consumers instead of
 // two CTAs reading it twice (QKV, KV, o and down projections at M = 96 / 128: 1.6% to 10% faster);
 // the 70% bar (75% before) takes 128 x 192 at M = 192 on the widest weights (8B's gate-up 0.68 ->
-// 0.91, N = 12288 0.85 -> 0.92). The bar also moves picks that no sweep has timed, just past
-// whole 128-row blocks, where a 128-row tile of 160 or 192 columns fills the SMs' waves that a
-// wider one left part empty, or a 64-row one left a part wave (at 132 SMs, over the shapes of
-// benchmarks/hopper_ops.py: M = 96-109 on the gate-up projections, then ranges of 1 to 162 values
-// of M from 191-204 up to 4737-4898); det_gemm_plans.py --m times them.
+// 0.91, N = 12288 0.85 -> 0.92). The bar also moves picks just past whole 128-row blocks, where
+// a 128-row tile of 160 or 192 columns fills the SMs' waves that a wider one left part empty, or a
+// 64-row one left a part wave (at 132 SMs, over the shapes of benchmarks/hopper_ops.py: M = 96-109
+// on the gate-up projections, then ranges of 1 to 162 values of M from 191-204 up to 4737-4898).
+// A sweep of 16 such M at f8d484b (benchmarks/results/h100/f8d484b/) timed 40 rows where the 70%
+// and 75% bars pick differently: 36 faster on the 70% pick (1.38x geometric mean), 4 slower (the
+// wide and deep shapes at M = 517, the fused QKV projections at M = 1030: 0.75 where 128 x 256
+// gives 0.86-0.88).
 inline GemmTile choose_gemm_tile(int m, int n, int num_sms) {
   static constexpr GemmTile kTileOrder[] = {{128, 256, false}, {128, 128, false}, {64, 128, false},
                                             {128, 64, false},  {128, 32, false},  {64, 64, false},
@@ -720,7 +723,12 @@ inline GemmTile choose_gemm_tile(int m, int n, int num_sms) {
       if (t.bm > 64 && m <= 64) continue;
       const int64_t tiles = static_cast<int64_t>((m + t.bm - 1) / t.bm) * ((n + t.bn - 1) / t.bn);
       const int64_t waves = (tiles + num_sms - 1) / num_sms;
-      const bool part_wave = tiles <= num_sms && 20 * tiles >= 11 * num_sms;
+      // Above M = 256 a part wave of 128 x 128 from 50% of the SMs: at N = 1024 the next tile that
+      // fits is 64 x 32 in five waves (the KV projections at M = 1030: 0.30-0.33 of cuBLAS there,
+      // 0.62 on 128 x 128, benchmarks/results/h100/f8d484b/); at M = 1024, 48% on 128 x 128,
+      // 128 x 64's full wave stays (0.90 against 0.64).
+      const int part_pct = m > 256 && t.bm == 128 && t.bn == 128 ? 50 : 55;
+      const bool part_wave = tiles <= num_sms && 100 * tiles >= part_pct * num_sms;
       const bool full_waves = tiles > num_sms && 10 * tiles >= 8 * waves * num_sms;
       if (part_wave || full_waves) return t;
     }
