@@ -97,11 +97,12 @@ def paged(k_seq, v_seq, lens, page, shuffle, seed=7):
 
 
 # (bf16, 128, 128, 128): head_dim 128 as its models run it, query chunks of one block. Three q heads
-# a kv head: the dk/dv walk at head_dim 64 takes one head a step, where four take two.
+# a kv head: the dk/dv walk takes one head a step, where four take two.
 @pytest.mark.parametrize("dtype,d,block,chunk,heads", [
     (torch.bfloat16, 128, 128, 128, (HQ, HKV)), (torch.bfloat16, 128, 64, 64, (HQ, HKV)),
     (torch.bfloat16, 64, 16, 64, (HQ, HKV)), (torch.float16, 128, 32, 64, (HQ, HKV)),
-    (torch.float16, 64, 128, 64, (HQ, HKV)), (torch.bfloat16, 64, 128, 40, (6, 2))])
+    (torch.float16, 64, 128, 64, (HQ, HKV)), (torch.bfloat16, 64, 128, 40, (6, 2)),
+    (torch.bfloat16, 128, 128, 40, (6, 2))])
 def test_forward_and_backward_match_reference(ops, dtype, d, block, chunk, heads):
     q, k, v, cu_q, cu_k, pos = packed([1, 70, 200, 130], d, dtype, heads=heads)
     out, lse = fwd(ops, q, k, v, cu_q, cu_k, pos, block)
@@ -199,11 +200,11 @@ def test_packed_batch_equals_each_sequence_alone(ops, block):
             assert torch.equal(a, together[r]), b
 
 
-# (128, 128): head_dim 128's kv_block_size, the one its models run with. At head_dim 64 the dk/dv
-# walk takes two heads a step where the group splits into pairs (four q heads a kv head), one where
-# it does not (three); chunks of 40 rows end steps part way through.
+# (128, 128): head_dim 128's kv_block_size, the one its models run with. The dk/dv walk takes two
+# heads a step where the group splits into pairs (four q heads a kv head), one where it does not
+# (three); chunks of 40 rows end steps part way through.
 @pytest.mark.parametrize("block,chunk", [(64, 64), (64, 40), (128, 128)])
-@pytest.mark.parametrize("d,heads", [(128, (HQ, HKV)), (64, (HQ, HKV)), (64, (3, 1))])
+@pytest.mark.parametrize("d,heads", [(128, (HQ, HKV)), (128, (3, 1)), (64, (HQ, HKV)), (64, (3, 1))])
 def test_backward_repeats_and_context_parallel_split_equals_one_call(ops, block, chunk, d, heads):
     n, cp = 4 * chunk, 2
     q, k, v, cu, _, pos = packed([n], d, seed=13, heads=heads)
