@@ -201,10 +201,11 @@ def test_packed_batch_equals_each_sequence_alone(ops, block):
 
 
 # (128, 128): head_dim 128's kv_block_size, the one its models run with. The dk/dv walk takes two
-# heads a step where the group splits into pairs (four q heads a kv head), one where it does not
-# (three); chunks of 40 rows end steps part way through.
+# heads a step where the group splits into pairs (four or two q heads a kv head), one where it does
+# not (three, or one); chunks of 40 rows end steps part way through.
 @pytest.mark.parametrize("block,chunk", [(64, 64), (64, 40), (128, 128)])
-@pytest.mark.parametrize("d,heads", [(128, (HQ, HKV)), (128, (3, 1)), (64, (HQ, HKV)), (64, (3, 1))])
+@pytest.mark.parametrize("d,heads", [(128, (HQ, HKV)), (128, (3, 1)), (128, (2, 1)),
+                                     (64, (HQ, HKV)), (64, (3, 1)), (64, (2, 2))])
 def test_backward_repeats_and_context_parallel_split_equals_one_call(ops, block, chunk, d, heads):
     n, cp = 4 * chunk, 2
     q, k, v, cu, _, pos = packed([n], d, seed=13, heads=heads)

@@ -5,10 +5,10 @@
 // c), each chunk in 64-row steps anchored at the chunk's first row, the heads of the kv group
 // inside each step in head order, H of them at a time (H = 2 where the group's size is even, else
 // 1): a step's columns are 64 rows of head h, then the same rows of head h + 1. Per step, with the
-// keys as the m64 rows: S^T = K Q^T, dP^T = V dO^T over the step's 64 H columns (at head_dim 128
+// keys as the m64 rows: S^T = K Q^T, dP^T = V dO^T over the step's 64 * H columns (at head_dim 128
 // one head's 64 columns at a time), then dV += P^T dO and dK += dS^T Q, 16 columns per k16 step in
 // column order, which is the order of one head a step: H only groups the k16 products, so it never
-// shows in the bits. A
+// shows in the bits (benchmarks/kernel_ab.sh compares them with a build of one head a step). A
 // chunk's fp32 partial is added to dk/dv in chunk order (dk += scale * part) by the one thread that
 // owns each element, so a call holding only some whole chunks computes the same partials as a call
 // holding all of them: the context-parallel split gives the bits of one call. The first warp also
@@ -81,7 +81,8 @@ struct StepWalk {
 // A step takes two heads where the group splits into pairs. That halves the steps' barriers and
 // copies, and at head_dim 64 makes S^T and dP^T m64n128k16 products, which stage fewer
 // shared-memory bytes per product than m64n64k16 (benchmarks/kernel_ab.sh on an H100, 8k tokens,
-// 32 / 8 heads: dk/dv 2.50 ms -> 2.18 at chunks of 64 rows, 2.30 -> 2.00 at 128; the same bits).
+// 32 / 8 heads: dk/dv 2.48 ms -> 2.16 at chunks of 64 rows, 2.29 -> 1.99 at 128; the same bits,
+// benchmarks/results/h100/23bdc12/).
 // At head_dim 128 the products stay one head wide: two would need 64 registers a thread more
 // (248 with one).
 template <int D, int H>
@@ -97,8 +98,8 @@ struct WgDkv {
   // 1024-aligned)
   static constexpr uint32_t kMeta = (kCols * (4 + 4 + 8) + sizeof(Step) + 1023) / 1024 * 1024;
   static constexpr uint32_t kStage = 2 * kRowTile + kMeta;
-  // Four stages, or as many as fit beside K and V (two at head_dim 128 with two heads a step: the
-  // same rows in flight as four of one head).
+  // Four stages, or as many as fit beside K and V: two at head_dim 128 with two heads a step, whose
+  // producer then copies one step (two heads) ahead where four stages of one head copy three.
   static constexpr int kStages = (227 * 1024 - 1024 - 2 * kKvTile - 128) / kStage < 4
                                      ? (227 * 1024 - 1024 - 2 * kKvTile - 128) / kStage
                                      : 4;
@@ -133,7 +134,7 @@ __global__ void __launch_bounds__(WgDkv<D, H>::kThreads, 1)
   const uint32_t stages = vs + C::kKvTile, bars = stages + C::kStages * C::kStage;
   auto q_tile = [&](int s) { return stages + s * C::kStage; };
   auto meta = [&](int s) { return q_tile(s) + 2 * C::kRowTile; };
-  // The same as a generic pointer: lse, delta and pos of the step's rows, the Step at the end.
+  // The same as a generic pointer: lse, delta and pos of the step's columns, the Step at the end.
   auto meta_ptr = [&](int s) { return smem_raw + (meta(s) - smem_u32(smem_raw)); };
   auto step_at = [&](int s) { return reinterpret_cast<Step*>(meta_ptr(s) + C::kMeta - sizeof(Step)); };
   const RingBarriers<C::kStages> rb{bars};
@@ -151,7 +152,7 @@ __global__ void __launch_bounds__(WgDkv<D, H>::kThreads, 1)
 
   // The producer: warp 0 copies step `pit` of the walk `pcur` into its stage once both
   // warpgroups have released the stage's previous step (one lane issues the tensor copies and
-  // stores the Step, every lane 2 H columns' lse, delta and position, whose landing it signals on
+  // stores the Step, every lane 2 * H columns' lse, delta and position, whose landing it signals on
   // the stage's barrier). After the last step a stage holding only a Step with r = qend ends the walk.
   Step pcur = walk.first(p.pos, qbeg, kstart, p.q_chunk, kstart < klen);
   int following = walk.following_end(pcur), pit = 0;

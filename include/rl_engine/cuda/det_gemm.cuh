@@ -669,7 +669,8 @@ inline bool gemm_one_resident_pass(int64_t items, int bn, int num_sms) {
 // 64-row unswapped tile fits), 16 where 32-row slabs would leave most SMs idle. Measured on an H200
 // over every tile at M = 64 to 1024 and the shapes of benchmarks/hopper_ops.py: a part wave of
 // large tiles beats full waves of narrow ones (each CTA re-reads A and B per tile from L2), and a
-// 64-row tile (two CTAs an SM) beats a 128-row one whose last row block is half empty.
+// 64-row tile (two CTAs an SM) beats a 128-row one whose last row block is half empty (but see
+// the 128 x 128 part wave below).
 // From M = 33 to 64 a 64-row tile of 128, then 64, then 32 columns whose tiles busy every SM and
 // all fit at once comes first: there the weight streams through every SM in one pass
 // (benchmarks/hopper_ops.py at da6f8da, M = 64: gate-up 33.4 -> 30.3 us (4B) and 57.7 -> 54.0
@@ -724,9 +725,12 @@ inline GemmTile choose_gemm_tile(int m, int n, int num_sms) {
       const int64_t tiles = static_cast<int64_t>((m + t.bm - 1) / t.bm) * ((n + t.bn - 1) / t.bn);
       const int64_t waves = (tiles + num_sms - 1) / num_sms;
       // Above M = 256 a part wave of 128 x 128 from 50% of the SMs: at N = 1024 the next tile that
-      // fits is 64 x 32 in five waves (the KV projections at M = 1030: 0.30-0.33 of cuBLAS there,
-      // 0.62 on 128 x 128, benchmarks/results/h100/f8d484b/); at M = 1024, 48% on 128 x 128,
-      // 128 x 64's full wave stays (0.90 against 0.64).
+      // fits is 64 x 32 in five waves (the KV projections at M = 1030, 72 tiles or 54.5% of 132
+      // SMs: 0.30-0.33 of cuBLAS there, 0.62 on 128 x 128, benchmarks/results/h100/f8d484b/); at
+      // M = 1024, 48% on 128 x 128, 128 x 64's full wave stays (0.90 against 0.64). Over the shapes
+      // of benchmarks/hopper_ops.py at 132 SMs this moves M = 1025-1152 of the KV projections
+      // alone; at other N up to 3072 or other SM counts it moves picks no sweep has timed (N = 1536
+      // at M = 641-768, N = 3072 at M = 257-384; at 114 SMs, N = 2560 at M = 257-384).
       const int part_pct = m > 256 && t.bm == 128 && t.bn == 128 ? 50 : 55;
       const bool part_wave = tiles <= num_sms && 100 * tiles >= part_pct * num_sms;
       const bool full_waves = tiles > num_sms && 10 * tiles >= 8 * waves * num_sms;
