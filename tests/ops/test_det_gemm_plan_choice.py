@@ -89,10 +89,12 @@ using namespace rl_engine::cuda;
 int main() {
   // m n k: the tile plan_det_gemm runs at 132 SMs
   const int cases[][3] = {{1030, 1024, 4096}, {1030, 1024, 2560}, {1025, 1024, 4096}, {1152, 1024, 4096},
-                          {1024, 1024, 4096}, {300, 6144, 2560}};
+                          {1024, 1024, 4096}, {300, 6144, 2560}, {8, 6144, 4096}, {16, 6144, 2560},
+                          {32, 6144, 4096}, {8, 4096, 4096}, {8, 12288, 4096}, {8, 1024, 4096}};
   for (const auto& c : cases) {
     const GemmPlan p = plan_det_gemm(c[0], c[1], c[2], 132, true);
-    std::printf("%d %d %d %dx%d%s\n", c[0], c[1], c[2], p.tile.bm, p.tile.bn, p.split.across ? " across" : "");
+    std::printf("%d %d %d %dx%d%s%s\n", c[0], c[1], c[2], p.tile.bm, p.tile.bn, p.tile.swap ? " swapped" : "",
+                p.split.across ? " across" : "");
   }
   return 0;
 }
@@ -106,7 +108,11 @@ def test_picks_measured_on_a_sweep(tmp_path):
     five waves 0.62 to 0.30-0.33 of cuBLAS at M = 1030 (the M timed; the others make the same
     grid); at M = 1024 128 x 64 fills the wave (0.90 against 0.64 on 128 x 128's 48%); tiles other
     than 128 x 128 keep the 55% bar (the fused QKV projection at M = 300 keeps 64 x 128, 0.80
-    against 0.57 on 128 x 256's wave, 54.5% full)."""
+    against 0.57 on 128 x 256's wave, 54.5% full). At M <= 16 the fused QKV projections
+    (N = 6144) stream the weight in 16-row slabs, three rounds of 132 SMs where 32-row ones take
+    two of twice the rows (0.6-5% faster at M = 4-16 in five sweeps); M = 32, the square and wide
+    shapes (the same rows an SM either way) and the KV projection, whose K is split across CTAs,
+    keep 32."""
     src = tmp_path / "picks.cu"
     src.write_text(PICKS)
     exe = tmp_path / "picks"
@@ -118,4 +124,6 @@ def test_picks_measured_on_a_sweep(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines() == [
         "1030 1024 4096 128x128", "1030 1024 2560 128x128", "1025 1024 4096 128x128",
-        "1152 1024 4096 128x128", "1024 1024 4096 128x64", "300 6144 2560 64x128"], run.stdout
+        "1152 1024 4096 128x128", "1024 1024 4096 128x64", "300 6144 2560 64x128",
+        "8 6144 4096 16x8 swapped", "16 6144 2560 16x16 swapped", "32 6144 4096 32x32 swapped",
+        "8 4096 4096 32x8 swapped", "8 12288 4096 32x8 swapped", "8 1024 4096 32x8 swapped across"], run.stdout

@@ -666,7 +666,9 @@ inline bool gemm_one_resident_pass(int64_t items, int bn, int num_sms) {
 // M = 32 (decode), and up to 64 where none fits (narrow N), the product is a stream of the weight:
 // swapped tiles with M rounded up to 8, 16, 32 or 64 as the narrow side, and slabs of 32 weight
 // rows; 64 rows where that still leaves two slabs an SM (reached only up to M = 32: at such N a
-// 64-row unswapped tile fits), 16 where 32-row slabs would leave most SMs idle. Measured on an H200
+// 64-row unswapped tile fits), 16 where 32-row slabs would leave most SMs idle, or, at M <= 16
+// with K in one range (`ranges`, the K ranges whose CTAs N counts), where 16-row slabs give each
+// SM fewer weight rows. Measured on an H200
 // over every tile at M = 64 to 1024 and the shapes of benchmarks/hopper_ops.py: a part wave of
 // large tiles beats full waves of narrow ones (each CTA re-reads A and B per tile from L2), and a
 // 64-row tile (two CTAs an SM) beats a 128-row one whose last row block is half empty (but see
@@ -692,7 +694,7 @@ inline bool gemm_one_resident_pass(int64_t items, int bn, int num_sms) {
 // and 75% bars pick differently: 36 faster on the 70% pick (1.38x geometric mean), 4 slower (the
 // wide and deep shapes at M = 517, the fused QKV projections at M = 1030: 0.75 where 128 x 256
 // gives 0.86-0.88).
-inline GemmTile choose_gemm_tile(int m, int n, int num_sms) {
+inline GemmTile choose_gemm_tile(int m, int n, int num_sms, int ranges = 1) {
   static constexpr GemmTile kTileOrder[] = {{128, 256, false}, {128, 128, false}, {64, 128, false},
                                             {128, 64, false},  {128, 32, false},  {64, 64, false},
                                             {64, 32, false}};
@@ -741,6 +743,16 @@ inline GemmTile choose_gemm_tile(int m, int n, int num_sms) {
   const int bn = m <= 8 ? 8 : m <= 16 ? 16 : m <= 32 ? 32 : 64;
   const int64_t slabs64 = (n + 63) / 64, slabs32 = (n + 31) / 32;
   if (slabs64 >= 2 * num_sms) return {64, bn, true};
+  if (m <= 16 && ranges == 1) {
+    // 16-row slabs where they take the SMs fewer weight rows each than 32-row ones: the fused QKV
+    // projections (N = 6144, 1.45 slabs of 32 an SM at 132 SMs) 0.6-5% faster at M = 4-16 over
+    // the five sweeps in benchmarks/results/h100/, -3% to +3% at M = 1-2 (at M = 32, 12% slower,
+    // so not there). Not where K is split across CTAs: there N counts each range, and the KV
+    // projections (N = 1024 in 5-6 ranges) are 5-9% slower on 16 rows (median 7%).
+    const int64_t rows16 = ((n + 15) / 16 + num_sms - 1) / num_sms * 16;
+    const int64_t rows32 = (slabs32 + num_sms - 1) / num_sms * 32;
+    if (rows16 < rows32) return {16, bn, true};
+  }
   if (2 * slabs32 >= num_sms) return {32, bn, true};
   return {16, bn, true};
 }
@@ -808,7 +820,7 @@ inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms, bool split_k) {
   const GemmTile& t = p.tile;
   const int64_t tiles = static_cast<int64_t>((m + t.bm - 1) / t.bm) * ((n + t.bn - 1) / t.bn);
   if (t.swap || (m <= 256 && tiles <= num_sms)) {
-    p.tile = choose_gemm_tile(m, n * p.split.splits, num_sms);
+    p.tile = choose_gemm_tile(m, n * p.split.splits, num_sms, p.split.splits);
     // From M = 33 to 64 a (tile, range) is a short K chain: 64 x 32 tiles, four CTAs an SM, where
     // their items busy every SM and fit at once. benchmarks/hopper_ops.py at da6f8da, M = 64: 4B's
     // o projection 12.6 -> 11.4 us, its down projection 21.3 -> 20.4, the KV projections 7.7 ->
