@@ -66,19 +66,25 @@ int main() {
 """
 
 
-@pytest.mark.skipif(NVCC is None, reason="needs nvcc (the program is host code, but the header is CUDA)")
-def test_every_pick_is_a_listed_plan(tmp_path):
-    src = tmp_path / "plan_choice.cu"
-    src.write_text(PROGRAM)
-    exe = tmp_path / "plan_choice"
+def build_and_run(tmp_path, name, source):
+    """Compiles source against include/ and runs it; its stdout (both must exit 0)."""
+    src = tmp_path / f"{name}.cu"
+    src.write_text(source)
+    exe = tmp_path / name
     build = subprocess.run([NVCC, "-O2", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
                             "--expt-relaxed-constexpr", "-I", str(ROOT / "include"), "-o", str(exe), str(src)],
                            capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-3000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    checked = int(run.stdout.split()[1])
-    assert checked > 100_000, run.stdout
+    return run.stdout
+
+
+@pytest.mark.skipif(NVCC is None, reason="needs nvcc (the program is host code, but the header is CUDA)")
+def test_every_pick_is_a_listed_plan(tmp_path):
+    out = build_and_run(tmp_path, "plan_choice", PROGRAM)
+    checked = int(out.split()[1])
+    assert checked > 100_000, out
 
 
 PICKS = r"""
@@ -113,17 +119,9 @@ def test_picks_measured_on_a_sweep(tmp_path):
     two of twice the rows (0.6-5% faster at M = 4-16 in five sweeps); M = 32, the square and wide
     shapes (the same rows an SM either way) and the KV projection, whose K is split across CTAs,
     keep 32."""
-    src = tmp_path / "picks.cu"
-    src.write_text(PICKS)
-    exe = tmp_path / "picks"
-    build = subprocess.run([NVCC, "-O2", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
-                            "--expt-relaxed-constexpr", "-I", str(ROOT / "include"), "-o", str(exe), str(src)],
-                           capture_output=True, text=True, timeout=600)
-    assert build.returncode == 0, build.stderr[-3000:]
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.splitlines() == [
+    out = build_and_run(tmp_path, "picks", PICKS)
+    assert out.splitlines() == [
         "1030 1024 4096 128x128", "1030 1024 2560 128x128", "1025 1024 4096 128x128",
         "1152 1024 4096 128x128", "1024 1024 4096 128x64", "300 6144 2560 64x128",
         "8 6144 4096 16x8 swapped", "16 6144 2560 16x16 swapped", "32 6144 4096 32x32 swapped",
-        "8 4096 4096 32x8 swapped", "8 12288 4096 32x8 swapped", "8 1024 4096 32x8 swapped across"], run.stdout
+        "8 4096 4096 32x8 swapped", "8 12288 4096 32x8 swapped", "8 1024 4096 32x8 swapped across"], out
