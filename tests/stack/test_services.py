@@ -89,6 +89,27 @@ def test_down_never_signals_a_process_whose_pid_was_reused(tmp_path, bystander):
     assert not (run / "scheduler.json").exists()
 
 
+def _listening(processes: list[psutil.Process]) -> set[tuple[str, int]]:
+    """The (ip, port) every live one of processes listens on. A recorded process may exit between
+    the check and the query (the scheduler's short-lived workers): it listens on nothing."""
+    found = set()
+    for p in processes:
+        try:
+            found |= {(c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="inet")
+                      if c.status == psutil.CONN_LISTEN}
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _alive(p: psutil.Process) -> bool:
+    """Running and not a zombie; one that exits while asked is not alive."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _request(url: str, body: dict | None = None, token: str | None = None) -> tuple[int, dict]:
     headers = {"Content-Type": "application/json"}
     if token:
@@ -128,8 +149,7 @@ def test_up_serves_the_ui_on_loopback_with_a_generated_password_and_down_stops_e
         assert code == 201
         code, errors = _request(f"{url}/api/v2/importErrors", token=body["access_token"])
         assert code == 200 and errors["total_entries"] == 0
-        listening = {(c.laddr.ip, c.laddr.port) for p in recorded if p.is_running()
-                     for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+        listening = _listening(recorded)
         assert listening and all(ip == "127.0.0.1" for ip, _ in listening), listening
 
         again = subprocess.run([*RLK, "up", *where], env=env, capture_output=True, text=True, timeout=120)
@@ -137,6 +157,6 @@ def test_up_serves_the_ui_on_loopback_with_a_generated_password_and_down_stops_e
     finally:
         down = subprocess.run([*RLK, "down", *where], env=env, capture_output=True, text=True, timeout=180)
     assert down.returncode == 0 and "ray-head" in down.stdout, down.stdout + down.stderr
-    alive = [p for p in recorded if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    alive = [p for p in recorded if _alive(p)]
     assert not alive, alive
     assert not list((state / "run").glob("*.json"))
