@@ -175,9 +175,9 @@ def main():
                   kernels=("wgmma m64nNk16 with bulk tensor copies: prefill (a producer warpgroup "
                            "fills a 3-stage K/V ring, two consumer warpgroups of 64 query rows), "
                            "backward dq (two warpgroups of 64 rows) and dk/dv (two warpgroups of 64 "
-                           "keys, 64-row query steps of two heads where the group splits in pairs, "
-                           "else one, each product one head wide at head_dim 128, chunk partials "
-                           "added in chunk order); paged "
+                           "keys, 64-row query steps of two heads at head_dim 64 where the group "
+                           "splits in pairs, else one, steps whose rows see every key unmasked, "
+                           "chunk partials added in chunk order); paged "
                            "decode on mma.sync, each block's scores, softmax and P.V done once, "
                            "spread over D/16 warps, pages looked up a block ahead"),
                   shape=dict(hq=HQ, hkv=HKV, head_dims=HEAD_DIMS,

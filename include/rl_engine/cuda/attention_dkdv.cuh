@@ -3,12 +3,12 @@
 // One CTA per 128 keys of one kv head, warpgroup c owning keys 64c .. 64c + 63. The CTA walks the
 // query rows of its sequence chunk by chunk (a chunk is the rows with position // q_chunk_size ==
 // c), each chunk in 64-row steps anchored at the chunk's first row, the heads of the kv group
-// inside each step in head order, H of them at a time (H = 2 where the group's size is even, else
-// 1): a step's columns are 64 rows of head h, then the same rows of head h + 1. Per step, with the
-// keys as the m64 rows: S^T = K Q^T, dP^T = V dO^T over the step's 64 * H columns (at head_dim 128
-// one head's 64 columns at a time), then dV += P^T dO and dK += dS^T Q, 16 columns per k16 step in
-// column order, which is the order of one head a step: H only groups the k16 products, so it never
-// shows in the bits (benchmarks/kernel_ab.sh compares them with a build of one head a step). A
+// inside each step in head order, H of them at a time (H = 2 at head_dim 64 where the group's size
+// is even, else 1): a step's columns are 64 rows of head h, then the same rows of head h + 1. Per
+// step, with the keys as the m64 rows: S^T = K Q^T, dP^T = V dO^T over the step's 64 * H columns,
+// then dV += P^T dO and dK += dS^T Q, 16 columns per k16 step in column order, which is the order
+// of one head a step: H only groups the k16 products, so it never shows in the bits
+// (benchmarks/kernel_ab.sh compares them with a build of one head a step). A
 // chunk's fp32 partial is added to dk/dv in chunk order (dk += scale * part) by the one thread that
 // owns each element, so a call holding only some whole chunks computes the same partials as a call
 // holding all of them: the context-parallel split gives the bits of one call. The first warp also
@@ -78,35 +78,30 @@ struct StepWalk {
   }
 };
 
-// A step takes two heads where the group splits into pairs. That halves the steps' barriers and
-// copies, and at head_dim 64 makes S^T and dP^T m64n128k16 products, which stage fewer
-// shared-memory bytes per product than m64n64k16 (benchmarks/kernel_ab.sh on an H100, 8k tokens,
-// 32 / 8 heads: dk/dv 2.48 ms -> 2.16 at chunks of 64 rows, 2.29 -> 1.99 at 128; the same bits,
-// benchmarks/results/h100/23bdc12/).
-// At head_dim 128 the products stay one head wide: two would need 64 registers a thread more
-// (248 with one).
+// At head_dim 64 a step takes two heads where the group splits into pairs. That halves the steps'
+// barriers and copies and makes S^T and dP^T m64n128k16 products, which stage fewer shared-memory
+// bytes per product than m64n64k16 (benchmarks/kernel_ab.sh on an H100, 8k tokens, 32 / 8 heads:
+// dk/dv 2.48 ms -> 2.16 at chunks of 64 rows, 2.29 -> 1.99 at 128; the same bits,
+// benchmarks/results/h100/23bdc12/). At head_dim 128 the products of two heads would need 64
+// registers a thread more than there are; two heads a step with one-head products (a ring of two
+// stages) cannot take the unmasked copy of the step without spilling, and without it its dk/dv was
+// 2-5% slower than one head a step with it.
 template <int D, int H>
 struct WgDkv {
+  static_assert(H == 1 || D == 64, "two heads a step only at head_dim 64");
   static constexpr int kPanels = D / 64;
-  static constexpr int kCols = H * kDkvStepRows;                // a step's columns: H heads' rows
-  // Columns of one product: all of the step's at head_dim 64, one head's at 128, where the
-  // accumulators of two would not fit a thread's registers beside dk's and dv's.
-  static constexpr int kProdCols = D == 64 ? kCols : kDkvStepRows;
+  static constexpr int kCols = H * kDkvStepRows;  // a step's columns: H heads' rows, one product
   static constexpr uint32_t kKvTile = kDkvKeys * D * 2;         // K or V of the CTA's keys
   static constexpr uint32_t kRowTile = kCols * D * 2;           // Q or dO of one step
   // lse, delta and pos of the step's columns, then the Step itself (padded: stages stay
   // 1024-aligned)
   static constexpr uint32_t kMeta = (kCols * (4 + 4 + 8) + sizeof(Step) + 1023) / 1024 * 1024;
   static constexpr uint32_t kStage = 2 * kRowTile + kMeta;
-  // Four stages, or as many as fit beside K and V: two at head_dim 128 with two heads a step, whose
-  // producer then copies one step (two heads) ahead where four stages of one head copy three.
-  static constexpr int kStages = (227 * 1024 - 1024 - 2 * kKvTile - 128) / kStage < 4
-                                     ? (227 * 1024 - 1024 - 2 * kKvTile - 128) / kStage
-                                     : 4;
-  static_assert(kStages >= 2, "a ring of two stages at least");
+  static constexpr int kStages = 4;
   static constexpr int kSmemBytes = 1024 + 2 * kKvTile + kStages * kStage + RingBarriers<kStages>::kBytes;
   static constexpr int kThreads = 2 * 128;
   static_assert(kDkvKeys == 128, "two consumer warpgroups of 64 keys");
+  static_assert(kSmemBytes <= 227 * 1024, "the ring fits an SM's shared memory");
 };
 
 // *addr += (x, y, z, w) as one reduction in memory (no value comes back, so nothing waits for it).
@@ -246,6 +241,7 @@ __global__ void __launch_bounds__(WgDkv<D, H>::kThreads, 1)
       for (int i = 0; i < 4; ++i) pk[d][i] = pv[d][i] = 0.f;
   };
 
+  const int key0 = kstart + wkey + (lane >> 2);  // the thread's keys in its fragments: key0, key0 + 8
   ptx::mbar_wait(kv_bar, 0);
   const uint32_t k_rows = ks + c * 64 * 128, v_rows = vs + c * 64 * 128;
   for (int it = 0;; ++it) {
@@ -272,42 +268,54 @@ __global__ void __launch_bounds__(WgDkv<D, H>::kThreads, 1)
     // the least position), so that nothing needs masking.
     const bool all_visible = cur.n == kDkvStepRows && kstart + c * 64 + 63 <= pos_s[0] &&
                              kstart + c * 64 + 64 <= klen;
-    // The step's columns C::kProdCols at a time (all of them at head_dim 64, one head's at 128).
-    for (int o = 0; o < kCols; o += C::kProdCols) {
-      constexpr int N = C::kProdCols;
+    // Two copies of the step: one for steps whose rows see every key of the warpgroup, with no
+    // mask at all, and one that masks (benchmarks/kernel_ab.sh on an H100, 8k tokens, 32 / 8 heads,
+    // chunks of 128 rows: dk/dv 1.98 ms -> 1.42 at head_dim 64, 2.90 -> 2.65 at 128; the same bits).
+    auto step = [&](auto masked) {
       // sc, dp: S^T and dP^T, rows the warp's keys, columns the step's (head, query row) pairs.
-      float sc[N / 8][4], dp[N / 8][4];
-      two_kmajor_products<N, D, kHalf>(sc, k_rows, qs + o * 128, dp, v_rows, ds + o * 128, kDkvKeys * 128,
-                                       kCols * 128);
+      float sc[kCols / 8][4], dp[kCols / 8][4];
+      two_kmajor_products<kCols, D, kHalf>(sc, k_rows, qs, dp, v_rows, ds, kDkvKeys * 128, kCols * 128);
+      // P^T and dS^T = P^T (dP^T - delta) in place, zero where a row does not see the key; what
+      // depends on the column is read once for the thread's two keys.
 #pragma unroll
-      for (int n = 0; n < N / 8; ++n) {
+      for (int n = 0; n < kCols / 8; ++n) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int key = kstart + wkey + (lane >> 2) + 8 * (i >> 1);
-          const int col = o + n * 8 + 2 * (lane & 3) + (i & 1), row = col % kDkvStepRows;
-          const bool vis = all_visible || (row < cur.n && key <= pos_s[col] && key < klen);
-          const float pr = ex2(__fmaf_rn(sc[n][i], p.scale_log2, -__fmul_rn(lse_s[col], kLog2e)));
-          sc[n][i] = vis ? pr : 0.f;
-          dp[n][i] = vis ? __fmul_rn(pr, __fsub_rn(dp[n][i], delta_s[col])) : 0.f;
+        for (int e = 0; e < 2; ++e) {  // the thread's two columns of n8 tile n
+          const int col = n * 8 + 2 * (lane & 3) + e;
+          const float lse2 = __fmul_rn(lse_s[col], kLog2e), delta = delta_s[col];
+          // The last key the column's row sees (none for a row past the chunk): one comparison a
+          // key, where three made the compiler keep the flags in a bit mask.
+          int last = INT_MAX;
+          if constexpr (decltype(masked)::value)
+            last = col % kDkvStepRows < cur.n ? (int)min(pos_s[col], (int64_t)klen - 1) : -1;
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {  // its two keys
+            const int i = 2 * hh + e;
+            const float pr = ex2(__fmaf_rn(sc[n][i], p.scale_log2, -lse2));
+            sc[n][i] = key0 + 8 * hh <= last ? pr : 0.f;
+            dp[n][i] = __fmul_rn(sc[n][i], __fsub_rn(dp[n][i], delta));
+          }
         }
       }
-      uint32_t ap[N / 16][4], as[N / 16][4];
+      uint32_t ap[kCols / 16][4], as[kCols / 16][4];
 #pragma unroll
-      for (int kk = 0; kk < N / 16; ++kk) {
+      for (int kk = 0; kk < kCols / 16; ++kk) {
         c_to_a<T>(ap[kk], sc, kk);
         c_to_a<T>(as[kk], dp, kk);
       }
       ptx::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < N / 16; ++kk) {
-        nmajor_step<D, kHalf>(pv, ap[kk], ds + o * 128, kCols * 128, kk);
-        nmajor_step<D, kHalf>(pk, as[kk], qs + o * 128, kCols * 128, kk);
+      for (int kk = 0; kk < kCols / 16; ++kk) {
+        nmajor_step<D, kHalf>(pv, ap[kk], ds, kCols * 128, kk);
+        nmajor_step<D, kHalf>(pk, as[kk], qs, kCols * 128, kk);
       }
       ptx::wgmma_commit();
       ptx::wgmma_wait<0>();
       fence_tiles(pk);
       fence_tiles(pv);
-    }
+    };
+    if (all_visible) step(std::false_type{});
+    else step(std::true_type{});
     if (tid == 0) ptx::mbar_arrive(rb.empty(s));
     if (walk.ends_chunk(cur)) flush();
   }
@@ -337,7 +345,9 @@ cudaError_t launch_attention_dkdv_heads(const BwdParams& p, int64_t tq, int64_t 
 template <typename T, int D>
 cudaError_t launch_attention_dkdv(const BwdParams& p, int64_t tq, int64_t tk, int k_tiles,
                                   cudaStream_t stream) {
-  if ((p.hq / p.hkv) % 2 == 0) return launch_attention_dkdv_heads<T, D, 2>(p, tq, tk, k_tiles, stream);
+  if constexpr (D == 64) {
+    if ((p.hq / p.hkv) % 2 == 0) return launch_attention_dkdv_heads<T, D, 2>(p, tq, tk, k_tiles, stream);
+  }
   return launch_attention_dkdv_heads<T, D, 1>(p, tq, tk, k_tiles, stream);
 }
 

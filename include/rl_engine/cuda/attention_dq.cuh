@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(WgDq<D>::kThreads, 1)
 
   const int wg_last = qt.last_key(row_pos, c * 64, max(0, min(64, nrows - c * 64)));
   const int first_row = c * 64 + warp * 16 + (lane >> 2);
-  int pos[2];
+  int last_seen[2];  // the last key each of the thread's two rows sees
   bool valid[2];
   float lse2[2], delta[2];
 #pragma unroll
@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(WgDq<D>::kThreads, 1)
     const int row = first_row + 8 * r;
     valid[r] = row < nrows;
     const int64_t i = (int64_t)(row0 + row) * p.hq + h;
-    pos[r] = row_pos[row];
+    last_seen[r] = min(row_pos[row], klen - 1);
     lse2[r] = valid[r] ? __fmul_rn(p.lse[i], kLog2e) : 0.f;
     delta[r] = valid[r] ? p.delta[i] : 0.f;
   }
@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(WgDq<D>::kThreads, 1)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int key = j * BN + n * 8 + 2 * (lane & 3) + (i & 1), r = i >> 1;
-          const bool vis = key <= pos[r] && key < klen;
+          const bool vis = key <= last_seen[r];
           const float pr = ex2(__fmaf_rn(sc[n][i], p.scale_log2, -lse2[r]));
           sc[n][i] = vis ? __fmul_rn(pr, __fsub_rn(dp[n][i], delta[r])) : 0.f;
         }

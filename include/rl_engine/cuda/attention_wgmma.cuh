@@ -95,6 +95,10 @@ __device__ __forceinline__ void two_kmajor_products(float (&x)[N / 8][4], uint32
                                                     uint32_t a_panel, uint32_t b_panel) {
   zero_tiles(x);
   zero_tiles(y);
+  // The zeros are written before the fence: left to itself the compiler may sink them past it,
+  // and ptxas then serializes the products (C7519 / C7520).
+  fence_tiles(x);
+  fence_tiles(y);
   ptx::wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
