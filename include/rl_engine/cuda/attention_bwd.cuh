@@ -53,10 +53,12 @@ cudaError_t launch_attention_bwd(const BwdParams& p, const T* out, float* delta,
     rlk_attention_bwd_chunks_kernel<<<(tq + 255) / 256, 256, 0, stream>>>(p, static_cast<int>(tq));
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
-  if (q_tiles > 0) {
-    if (cudaError_t e = launch_attention_dq<T, D>(p, tq, tk, q_tiles, stream); e != cudaSuccess) return e;
+  // dk/dv first, then dq with programmatic stream serialization: the two read only what the
+  // kernels above wrote, so dq's CTAs may fill the SMs that dk/dv's last wave leaves idle.
+  if (k_tiles > 0) {
+    if (cudaError_t e = launch_attention_dkdv<T, D>(p, tq, tk, k_tiles, stream); e != cudaSuccess) return e;
   }
-  return k_tiles > 0 ? launch_attention_dkdv<T, D>(p, tq, tk, k_tiles, stream) : cudaSuccess;
+  return q_tiles > 0 ? launch_attention_dq<T, D>(p, tq, tk, q_tiles, stream, k_tiles > 0) : cudaSuccess;
 }
 
 }  // namespace rl_engine::cuda::attn

@@ -137,6 +137,8 @@ __global__ void __launch_bounds__(WgDkv<D, H>::kThreads, 1)
 
   const int g = blockIdx.x % p.hkv;
   int b, tile;
+  // dq, launched next, may take the SMs this kernel's last CTAs leave (launch_attention_bwd).
+  ptx::launch_dependents();
   if (!find_tile(p.cu_k, p.batch, kDkvKeys, blockIdx.x / p.hkv, b, tile)) return;
   const int kbase = p.cu_k[b], klen = p.cu_k[b + 1] - kbase, kstart = tile * kDkvKeys;
   const int qbeg = p.cu_q[b], qend = p.cu_q[b + 1], group = p.hq / p.hkv;

@@ -41,7 +41,10 @@ __global__ void __launch_bounds__(WgDq<D>::kThreads, 1)
   const uint32_t q_bar = rb.once();
 
   QueryTile qt;
-  if (!qt.find(p)) return;
+  if (!qt.find(p)) {
+    ptx::grid_dependency_wait();
+    return;
+  }
   const int h = qt.h, g = qt.g, row0 = qt.row0, nrows = qt.nrows, kbase = qt.kbase, klen = qt.klen;
   qt.load_positions(p.pos, row_pos);
   rb.init(1, 2);
@@ -140,10 +143,15 @@ __global__ void __launch_bounds__(WgDq<D>::kThreads, 1)
           pack2<T>(__fmul_rn(acc[d][2 * r], p.scale), __fmul_rn(acc[d][2 * r + 1], p.scale));
     }
   }
+  // Launched behind dk/dv (launch_attention_bwd), which this kernel neither reads nor writes, it may
+  // start in dk/dv's last wave; it ends only once dk/dv has, so that work after it in the stream
+  // sees dk and dv.
+  ptx::grid_dependency_wait();
 }
 
 template <typename T, int D>
-cudaError_t launch_attention_dq(const BwdParams& p, int64_t tq, int64_t tk, int q_tiles, cudaStream_t stream) {
+cudaError_t launch_attention_dq(const BwdParams& p, int64_t tq, int64_t tk, int q_tiles, cudaStream_t stream,
+                                bool behind_dkdv = false) {
   using C = WgDq<D>;
   constexpr bool kHalf = std::is_same_v<T, __half>;
   CUtensorMap mq, mdo, mk, mv;
@@ -154,8 +162,9 @@ cudaError_t launch_attention_dq(const BwdParams& p, int64_t tq, int64_t tk, int 
   if (e != cudaSuccess) return e;
   auto kernel = rlk_attention_bwd_dq_kernel<T, D>;
   if ((e = set_smem(kernel, C::kSmemBytes)) != cudaSuccess) return e;
-  kernel<<<q_tiles * p.hq, C::kThreads, C::kSmemBytes, stream>>>(mq, mdo, mk, mv, p);
-  return cudaGetLastError();
+  PdlLaunch launch(q_tiles * p.hq, C::kThreads, C::kSmemBytes, stream);
+  if (!behind_dkdv) launch.cfg.numAttrs = 0;
+  return cudaLaunchKernelEx(&launch.cfg, kernel, mq, mdo, mk, mv, p);
 }
 
 }  // namespace rl_engine::cuda::attn
