@@ -97,7 +97,7 @@ def paged(k_seq, v_seq, lens, page, shuffle, seed=7):
 
 
 # (bf16, 128, 128, 128): head_dim 128 as its models run it, query chunks of one block. Three q heads
-# a kv head: the dk/dv walk takes one head a step, where four take two.
+# a kv head: the dk/dv walk takes one head a step, where four take two at head_dim 64.
 @pytest.mark.parametrize("dtype,d,block,chunk,heads", [
     (torch.bfloat16, 128, 128, 128, (HQ, HKV)), (torch.bfloat16, 128, 64, 64, (HQ, HKV)),
     (torch.bfloat16, 64, 16, 64, (HQ, HKV)), (torch.float16, 128, 32, 64, (HQ, HKV)),
@@ -200,9 +200,10 @@ def test_packed_batch_equals_each_sequence_alone(ops, block):
             assert torch.equal(a, together[r]), b
 
 
-# (128, 128): head_dim 128's kv_block_size, the one its models run with. The dk/dv walk takes two
-# heads a step where the group splits into pairs (four or two q heads a kv head), one where it does
-# not (three, or one); chunks of 40 rows end steps part way through.
+# (128, 128): head_dim 128's kv_block_size, the one its models run with. At head_dim 64 the dk/dv
+# walk takes two heads a step where the group splits into pairs (four or two q heads a kv head), one
+# where it does not (three, or one); at head_dim 128 always one. Chunks of 40 rows end steps part
+# way through.
 @pytest.mark.parametrize("block,chunk", [(64, 64), (64, 40), (128, 128)])
 @pytest.mark.parametrize("d,heads", [(128, (HQ, HKV)), (128, (3, 1)), (128, (2, 1)),
                                      (64, (HQ, HKV)), (64, (3, 1)), (64, (2, 2))])

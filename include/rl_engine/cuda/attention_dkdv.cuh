@@ -266,13 +266,12 @@ __global__ void __launch_bounds__(WgDkv<D, H>::kThreads, 1)
     const float* lse_s = reinterpret_cast<const float*>(meta_ptr(s));
     const float* delta_s = lse_s + kCols;
     const int64_t* pos_s = reinterpret_cast<const int64_t*>(lse_s + 2 * kCols);
-    // Whether every row of the step sees every key of this warpgroup (the step's first row has
-    // the least position), so that nothing needs masking.
+    // Two copies of the step: one with no mask at all, for a step whose every row sees every key
+    // of this warpgroup (its first row has the least position), and one that masks
+    // (benchmarks/results/h100/edb0601/, 8k tokens, 32 / 8 heads, chunks of 128 rows: dk/dv
+    // 1.98 ms -> 1.42 at head_dim 64, 2.90 -> 2.52 at 128; the same bits).
     const bool all_visible = cur.n == kDkvStepRows && kstart + c * 64 + 63 <= pos_s[0] &&
                              kstart + c * 64 + 64 <= klen;
-    // Two copies of the step: one for steps whose rows see every key of the warpgroup, with no
-    // mask at all, and one that masks (benchmarks/kernel_ab.sh on an H100, 8k tokens, 32 / 8 heads,
-    // chunks of 128 rows: dk/dv 1.98 ms -> 1.42 at head_dim 64, 2.90 -> 2.65 at 128; the same bits).
     auto step = [&](auto masked) {
       // sc, dp: S^T and dP^T, rows the warp's keys, columns the step's (head, query row) pairs.
       float sc[kCols / 8][4], dp[kCols / 8][4];
