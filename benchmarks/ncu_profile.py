@@ -35,6 +35,8 @@ KEPT = {
     "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct",
     "dram__bytes.sum.per_second": "dram_bytes_per_s",
     "sm__throughput.avg.pct_of_peak_sustained_elapsed": "sm_pct",
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed": "l2_pct",
+    "l1tex__throughput.avg.pct_of_peak_sustained_active": "l1_pct",
     "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active": "gmma_pct",
     "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": "hmma_pct",
     "sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active": "lsu_pct",
@@ -85,9 +87,9 @@ def cases():
         rstd = ops.rmsnorm(x, w, 1e-6)[1]
         return lambda: ops.rmsnorm_backward(g, x, w, rstd)
 
-    def gemm(m, n, k):
+    def gemm(m, n, k, cublas=False):
         x, w = randn(m, k), randn(n, k) * k ** -0.5
-        return lambda: ops.det_gemm(x, w, None)
+        return (lambda: torch.nn.functional.linear(x, w)) if cublas else (lambda: ops.det_gemm(x, w, None))
 
     def linear_logp(backward, t=8192, h=4096, v=32768, tile=256):
         # A quarter of Qwen3's vocabulary: the same kernels and tiles, a quarter of the launches.
@@ -117,7 +119,15 @@ def cases():
         "gemm_8b_kv_m64": lambda: gemm(64, 1024, 4096),
         "gemm_4b_o_m128": lambda: gemm(128, 2560, 4096),
         "gemm_8b_kv_m1024": lambda: gemm(1024, 1024, 4096),
+        # cuBLAS on the same shapes, for the figures of the kernel a det_gemm ratio is taken against.
+        "cublas_square_m8192": lambda: gemm(8192, 4096, 4096, cublas=True),
+        "cublas_4b_o_m128": lambda: gemm(128, 2560, 4096, cublas=True),
     }
+
+
+def kernel_filter(name: str) -> str:
+    """ncu's kernel-name filter of a case: rl_engine's kernels, or every kernel of a cuBLAS twin."""
+    return "regex:." if name.startswith("cublas_") else "regex:rlk_"
 
 
 LAUNCHES = 3  # of the op per case; the last is the one kept (the others warm caches and allocator)
@@ -144,7 +154,7 @@ def number(text: str):
 
 def profile(name: str, ncu: str) -> list[dict]:
     cmd = [ncu, "--set", "full", "--clock-control", "none", "--profile-from-start", "off",
-           "-k", "regex:rlk_", "--csv", "--page", "raw", "--print-units", "base",
+           "-k", kernel_filter(name), "--csv", "--page", "raw", "--print-units", "base",
            sys.executable, __file__, "--run", name]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if done.returncode != 0 or '"ID"' not in done.stdout:
@@ -168,7 +178,7 @@ def summarize(stdout: str, name: str) -> list[dict]:
         kept["top_stalls_cycles_per_issue"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1])[:6])
         launches.setdefault(raw["Kernel Name"], []).append(dict(kernel=raw["Kernel Name"], **kept))
     if not launches:
-        raise RuntimeError(f"ncu profiled no rlk_ kernel in case {name}: did the op run on the GPU?")
+        raise RuntimeError(f"ncu profiled no kernel of case {name} ({kernel_filter(name)}): did the op run on the GPU?")
     return [runs[-1] for runs in launches.values()]
 
 

@@ -50,8 +50,13 @@ def test_the_last_launch_of_each_kernel_is_kept_with_its_bounds():
 
 
 def test_a_table_without_launches_is_an_error():
-    with pytest.raises(RuntimeError, match="profiled no rlk_ kernel in case decode128"):
+    with pytest.raises(RuntimeError, match=r"profiled no kernel of case decode128 \(regex:rlk_\)"):
         ncu_profile.summarize(table(), "decode128")
+
+
+def test_a_cublas_twin_profiles_every_kernel_and_the_rest_only_rl_engines():
+    assert ncu_profile.kernel_filter("cublas_square_m8192") == "regex:."
+    assert ncu_profile.kernel_filter("gemm_square_m8192") == "regex:rlk_"
 
 
 def test_without_ncu_it_says_how_to_get_it(tmp_path, monkeypatch):
