@@ -7,12 +7,11 @@
 // are added in range order, ((p0 + p1) + p2) ..., before the epilogue (measured at e25236c: 4B's
 // down projection at M = 1-32 from 0.64-0.67 of cuBLAS unsplit to 0.93-0.99 in 3 ranges, 8B's KV
 // projection from 0.75-0.82 to 1.00-1.04 in 6, for 0.80-0.85 at M >= 4096 where it was 0.91-0.94).
-// No stream-K, and no atomic touches a value. What changes with M is only the output tile
-// (choose_gemm_tile), whether the tile is swapped (B's rows as its rows), how many K blocks one
-// shared-memory stage holds, and where the range sums meet: in the CTA that computed them all (one
-// range after the other, the running sum in a second set of registers), or, where the tiles are too
-// few to fill the SMs, in separate CTAs that write them to a workspace, where the last of a tile's
-// ranges to finish adds them up (plan_det_gemm, SplitEpilogue). So a
+// No stream-K, no atomic. What changes with M is only the output tile (choose_gemm_tile), whether
+// the tile is swapped (B's rows as its rows), how many K blocks one shared-memory stage holds, and
+// where the range sums meet: in the CTA that computed them all (one range after the other, the
+// running sum in a second set of registers), or, where the tiles are too few to fill the SMs, in
+// separate CTAs that write them to a workspace that one more kernel adds up (plan_det_gemm). So a
 // row's bits depend only on that row and B, not on M, on the row's position, on the tile or on the
 // grid. A swapped tile gives an element the same k16 steps with the operands' roles exchanged, and
 // the products are exact in fp32, so it gives the same bits (the row tests hold it to that).
@@ -36,7 +35,6 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -106,27 +104,19 @@ struct GemmSplit {
               // space, it costs the producer's few registers nothing)
 };
 
-// The epilogue of range s of a split reduced across CTAs (the workspace slice of that range), which
-// may be of another type than epi (SplitEpilogue's is the slice's StoreEpilogue alone: a copy of
-// the whole epilogue would go to local memory).
+// The epilogue of range s of a split reduced across CTAs (the workspace slice of that range).
 template <typename Epi, typename = void>
 struct HasForSplit : std::false_type {};
 template <typename Epi>
 struct HasForSplit<Epi, std::void_t<decltype(std::declval<const Epi&>().for_split(0))>> : std::true_type {};
 template <typename Epi>
-__device__ __forceinline__ auto epilogue_for_split(const Epi& epi, int s) {
+__device__ __forceinline__ Epi epilogue_for_split(const Epi& epi, int s) {
   if constexpr (HasForSplit<Epi>::value) {
     return epi.for_split(s);
   } else {
     return epi;
   }
 }
-
-// Whether the epilogue adds up a tile's range sums once its last range is in (SplitEpilogue).
-template <typename Epi, typename = void>
-struct CombinesSplits : std::false_type {};
-template <typename Epi>
-struct CombinesSplits<Epi, std::void_t<decltype(Epi::kCombinesSplits)>> : std::bool_constant<Epi::kCombinesSplits> {};
 
 // Fragment layout of one consumer (m64nBN fp32): thread t of the warpgroup holds, for each 8-column
 // block j, acc[4j + 2h + e] = C[row0 + 16 (t / 32) + (t % 32) / 4 + 8h, col0 + 8j + 2 (t % 4) + e].
@@ -282,22 +272,7 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
       }
     }
     const int row_end = (mb + 1) * kBM < m ? (mb + 1) * kBM : m;
-    if constexpr (CombinesSplits<Epi>::value) {  // a split across CTAs, the only use of such an epilogue
-      epilogue_for_split(epi, first)(acc, mb * kBM + c * 64, nb * kBN, row_end, n);
-      // Every consumer thread's sums are out before one thread counts the range in; the tile's last
-      // range adds up all of them.
-      __threadfence();
-      ptx::named_bar_sync(1, 128 * kConsumers);
-      if (ptx::named_bar_or(1, 128 * kConsumers, threadIdx.x == 128 && epi.arrive(tile))) {
-        __threadfence();
-        const int col_end = (nb + 1) * kBN < n ? (nb + 1) * kBN : n;
-        // Quads a thread has in flight: as many as its registers hold beside the kernel's own (168
-        // a thread beside a second consumer, 128 alone, 64 where four CTAs share an SM).
-        constexpr int kQuads = kConsumers == 2 ? 2 : kBN >= 64 ? 2 : 1;
-        epi.template combine<kQuads>(mb * kBM, row_end, nb * kBN, col_end, threadIdx.x - 128, 128 * kConsumers, m,
-                                     n);
-      }
-    } else if (split.across) {
+    if (split.across) {
       epilogue_for_split(epi, first)(acc, mb * kBM + c * 64, nb * kBN, row_end, n);
     } else {
       epi(acc, mb * kBM + c * 64, nb * kBN, row_end, n);
@@ -503,19 +478,9 @@ struct StoreEpilogue {
 template <typename Epi>
 struct SwapEpilogue {
   static constexpr bool kAnyWidth = true;
-  static constexpr bool kCombinesSplits = CombinesSplits<Epi>::value;
   Epi inner;
 
-  __device__ __forceinline__ auto for_split(int s) const {
-    using Slice = decltype(epilogue_for_split(inner, s));
-    return SwapEpilogue<Slice>{epilogue_for_split(inner, s)};
-  }
-  __device__ __forceinline__ bool arrive(int tile) const { return inner.arrive(tile); }
-  // The tile's rows are the output's columns.
-  template <int kQuads>
-  __device__ __forceinline__ void combine(int r0, int r1, int c0, int c1, int t, int nt, int m, int n) const {
-    inner.template combine<kQuads>(c0, c1, r0, r1, t, nt, n, m);
-  }
+  __device__ __forceinline__ SwapEpilogue for_split(int s) const { return {epilogue_for_split(inner, s)}; }
 
   template <int kA>
   __device__ __forceinline__ void operator()(const float (&acc)[kA], int row0, int col0, int m,
@@ -533,120 +498,62 @@ struct SwapEpilogue {
   }
 };
 
-// Counts one range of a split tile in; true for the tile's last. `word` holds (epoch << 8) | the
-// ranges in so far: the launch's epoch (never 0, never another launch's in this process) tells its
-// count from whatever the workspace held before, and the last range puts the word back to 0, so
-// that a replay of a captured launch (the same epoch and workspace) starts from nothing as well.
-// The count decides only which CTA adds the sums up, never a value.
-__device__ __forceinline__ bool split_arrive(unsigned long long* word, unsigned long long epoch, int splits) {
-  unsigned long long seen = *reinterpret_cast<volatile unsigned long long*>(word), now;
-  for (;;) {
-    now = seen >> 8 == epoch ? seen + 1 : (epoch << 8) | 1ull;
-    const unsigned long long got = atomicCAS(word, seen, now);
-    if (got == seen) break;
-    seen = got;
-  }
-  if (static_cast<int>(now & 0xffu) < splits) return false;
-  *reinterpret_cast<volatile unsigned long long*>(word) = 0ull;
-  return true;
+// The range sums of a split reduced across CTAs (workspace [splits][m][n] fp32), added in range
+// order, through the det_gemm epilogue: the same additions as a CTA that computes every range.
+// Where N is a multiple of 4 a thread takes four columns and loads every range's four sums (16
+// bytes each) before its first addition, so that its loads are in flight together: the sums were
+// just written and sit in L2, where a pair a thread, loaded range after range, left the kernel
+// stalled on memory (Nsight Compute at 2709630, 4B's o projection at M = 128: 5.0 us beside the
+// GEMM's 14.4, 14 cycles of memory stall per instruction issued). Measured against that kernel in
+// one command on an H100 (benchmarks/results/h100/412aae5/ab/): the split shapes' det_gemm 1.2-7.5%
+// faster at M = 16-64 (the KV projections 2.6-7.5%), 0.1-2.7% at M = 96-192, and at M = 256 two
+// of the four 1.5% slower.
+// Whether the range sums are added four columns a thread (the kernel's path and its launch's grid).
+__host__ __device__ constexpr bool combine_by_quads(int n, int splits) {
+  return n % 4 == 0 && splits <= gemm_cfg::kMaxSplits;
 }
-
-// The epilogue of a split across CTAs (plan_det_gemm): each (tile, range) CTA stores its range's
-// sums to the workspace [splits][m][n] fp32, and the tile's last range to finish adds them up in
-// range order, ((p0 + p1) + p2) ..., then stores them through the output's epilogue: the additions
-// of a CTA that computes every range. Before, a second kernel added up the whole workspace after
-// the GEMM's last tile. The output's epilogue is picked by out_dtype at run time, so that the
-// kernels of a split compile once for every output type.
-struct SplitEpilogue {
-  static constexpr bool kAnyWidth = true;
-  static constexpr bool kCombinesSplits = true;
-  StoreEpilogue<float> sums;  // range 0's slice of the workspace (for_split gives range s's)
-  const float* ws;  // range s's sum of (row, col) at ws[s * mn + row * n + col]
-  int64_t mn;
-  int splits;
-  unsigned long long* arrivals;  // a word per tile (split_arrive), after the sums
-  unsigned long long epoch;
-  DType out_dtype;
-  StoreEpilogue<__nv_bfloat16> out_bf16;
-  StoreEpilogue<__half> out_f16;
-  StoreEpilogue<float> out_f32;
-
-  // A range's CTA stores its sums through the slice alone.
-  __host__ __device__ StoreEpilogue<float> for_split(int s) const { return sums.for_split(s); }
-  __device__ __forceinline__ bool arrive(int tile) const { return split_arrive(arrivals + tile, epoch, splits); }
-
-  // Output rows [r0, r1) by columns [c0, c1) (c0 a multiple of 8), thread t of nt.
-  template <int kQuads>
-  __device__ __forceinline__ void combine(int r0, int r1, int c0, int c1, int t, int nt, int m, int n) const {
-    if (out_dtype == DType::kBF16) return combine_into<kQuads>(out_bf16, r0, r1, c0, c1, t, nt, m, n);
-    if (out_dtype == DType::kF16) return combine_into<kQuads>(out_f16, r0, r1, c0, c1, t, nt, m, n);
-    combine_into<kQuads>(out_f32, r0, r1, c0, c1, t, nt, m, n);
-  }
-
-  // Where N is a multiple of 4 (whole 16-byte quads from c0 on), a thread loads kQuads quads of
-  // four ranges before its first addition, so that the loads are in flight together: the sums were
-  // just written and sit in L2 (ld.cg: never an L1 line from before they were). A round trip to L2
-  // is what each pass costs, and the stores between passes keep the compiler from overlapping them.
-  template <int kQuads, typename Out>
-  __device__ __forceinline__ void combine_into(const StoreEpilogue<Out>& out, int r0, int r1, int c0, int c1,
-                                               int t, int nt, int m, int n) const {
-    using gemm_cfg::kMaxSplits;
-    if (n % 4 == 0) {
-      const int quads = (c1 - c0) / 4, count = (r1 - r0) * quads;
-      for (int i0 = t; i0 < count; i0 += kQuads * nt) {
-        float4 v[kQuads];
+template <typename Epi>
+__global__ void __launch_bounds__(256)
+    rlk_det_gemm_combine_kernel(const float* __restrict__ ws, int splits, int m, int n, const Epi epi) {
+  ptx::grid_dependency_wait();  // the range sums come from the kernel just before
+  const int64_t mn = static_cast<int64_t>(m) * n, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (combine_by_quads(n, splits)) {
+    const float4* quads = reinterpret_cast<const float4*>(ws);
+    const int64_t slice = mn / 4;
+    for (int64_t i = first; i < slice; i += stride) {
+      float4 part[gemm_cfg::kMaxSplits];
 #pragma unroll
-        for (int s0 = 0; s0 < kMaxSplits; s0 += 4) {
-          if (s0 >= splits) break;
-          float4 part[kQuads][4];
+      for (int s = 0; s < gemm_cfg::kMaxSplits; ++s) {
+        if (s < splits) part[s] = quads[s * slice + i];
+      }
+      float4 v = part[0];
 #pragma unroll
-          for (int u = 0; u < kQuads; ++u) {
-            const int i = i0 + u * nt;
-            const float4* q = reinterpret_cast<const float4*>(ws + static_cast<int64_t>(r0 + i / quads) * n + c0 +
-                                                              4 * (i % quads));
-#pragma unroll
-            for (int s = 0; s < 4; ++s) {
-              if (i < count && s0 + s < splits) part[u][s] = __ldcg(q + (s0 + s) * (mn / 4));
-            }
-          }
-#pragma unroll
-          for (int u = 0; u < kQuads; ++u) {
-#pragma unroll
-            for (int s = 0; s < 4; ++s) {
-              if (s0 + s == 0) {
-                v[u] = part[u][0];
-              } else if (s0 + s < splits) {
-                v[u] = make_float4(__fadd_rn(v[u].x, part[u][s].x), __fadd_rn(v[u].y, part[u][s].y),
-                                   __fadd_rn(v[u].z, part[u][s].z), __fadd_rn(v[u].w, part[u][s].w));
-              }
-            }
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kQuads; ++u) {
-          const int i = i0 + u * nt;
-          if (i >= count) break;
-          const int row = r0 + i / quads, col = c0 + 4 * (i % quads);
-          out.store_pair(row, col, v[u].x, v[u].y, m, n);
-          out.store_pair(row, col + 2, v[u].z, v[u].w, m, n);
+      for (int s = 1; s < gemm_cfg::kMaxSplits; ++s) {
+        if (s < splits) {
+          v = make_float4(__fadd_rn(v.x, part[s].x), __fadd_rn(v.y, part[s].y), __fadd_rn(v.z, part[s].z),
+                          __fadd_rn(v.w, part[s].w));
         }
       }
-      return;
+      const int row = static_cast<int>(4 * i / n), col = static_cast<int>(4 * i % n);
+      epi.store_pair(row, col, v.x, v.y, m, n);
+      epi.store_pair(row, col + 2, v.z, v.w, m, n);
     }
-    const int half = (c1 - c0 + 1) / 2, count = (r1 - r0) * half;
-    for (int i = t; i < count; i += nt) {
-      const int row = r0 + i / half, col = c0 + 2 * (i % half);
-      const float* q = ws + static_cast<int64_t>(row) * n + col;
-      const bool two = col + 1 < n;
-      float v0 = __ldcg(q), v1 = two ? __ldcg(q + 1) : 0.f;
-      for (int s = 1; s < splits; ++s) {
-        v0 = __fadd_rn(v0, __ldcg(q + s * mn));
-        if (two) v1 = __fadd_rn(v1, __ldcg(q + s * mn + 1));
-      }
-      out.store_pair(row, col, v0, v1, m, n);
-    }
+    return;
   }
-};
+  const int64_t half = (n + 1) / 2;
+  for (int64_t i = first; i < m * half; i += stride) {
+    const int row = static_cast<int>(i / half), col = static_cast<int>(i % half) * 2;
+    const float* p = ws + static_cast<int64_t>(row) * n + col;
+    const bool two = col + 1 < n;
+    float v0 = p[0], v1 = two ? p[1] : 0.f;
+    for (int s = 1; s < splits; ++s) {
+      v0 = __fadd_rn(v0, p[s * mn]);
+      if (two) v1 = __fadd_rn(v1, p[s * mn + 1]);
+    }
+    epi.store_pair(row, col, v0, v1, m, n);
+  }
+}
 
 // Host side. Operands: A [m, k] and B [n, k] with leading dimensions lda, ldb (elements). An
 // operand marked MN-major is stored as its transpose (A as [k, m], B as [k, n], ld between K rows):
@@ -889,17 +796,6 @@ inline GemmTile gemm_two_sum_tile(GemmTile t, int n) {
   return t;
 }
 
-// The workspace of a split across CTAs: splits x M x N floats of range sums, then (8-byte aligned)
-// one arrival word per tile (SplitEpilogue). A swapped tile's rows are B's.
-inline int64_t gemm_arrivals_offset(int splits, int m, int n) {
-  return (static_cast<int64_t>(splits) * m * n + 1) / 2 * 2;
-}
-inline int64_t gemm_split_scratch_floats(const GemmTile& t, int splits, int m, int n) {
-  const int64_t rows = t.swap ? n : m, cols = t.swap ? m : n;
-  const int64_t tiles = (rows + t.bm - 1) / t.bm * ((cols + t.bn - 1) / t.bn);
-  return gemm_arrivals_offset(splits, m, n) + 2 * tiles;
-}
-
 // The layout of one det_gemm launch: its tile, its split, and the fp32 scratch it needs.
 struct GemmPlan {
   GemmTile tile;
@@ -932,7 +828,7 @@ inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms, bool split_k) {
     const int64_t narrow = static_cast<int64_t>((n + 31) / 32) * p.split.splits;
     if (m > 32 && m <= 64 && gemm_one_resident_pass(narrow, 32, num_sms)) p.tile = {64, 32, false};
     p.split.across = true;
-    p.scratch_floats = gemm_split_scratch_floats(p.tile, p.split.splits, m, n);
+    p.scratch_floats = static_cast<int64_t>(p.split.splits) * m * n;
     return p;
   }
   p.tile = gemm_two_sum_tile(t, n);
@@ -962,7 +858,7 @@ inline int det_gemm_plan_options(int m, int n, int k, GemmPlan* out) {
   auto add = [&](GemmTile t, bool across) {
     GemmPlan p{t, split, 0};
     p.split.across = across;
-    if (across) p.scratch_floats = gemm_split_scratch_floats(t, split.splits, m, n);
+    if (across) p.scratch_floats = static_cast<int64_t>(split.splits) * m * n;
     out[count++] = p;
   };
   for (const GemmTile& t : kTiles) add(t, split_k);
@@ -1087,20 +983,16 @@ template <typename Epi>
 cudaError_t launch_det_gemm_on(const GemmTile& t, const GemmOperands& op, const Epi& epi,
                                const GemmSplit& split, int num_sms, cudaStream_t stream) {
   if (split.splits > 1 && !split.across) {  // the tiles of gemm_two_sum_tile
-    if constexpr (CombinesSplits<Epi>::value) {
-      return cudaErrorInvalidValue;  // SplitEpilogue is the epilogue of a split across CTAs only
-    } else {
-      if (t.swap) return cudaErrorInvalidValue;
-      if (t.bm == 64) {
-        return t.bn == 64 ? launch_det_gemm_tile<64, 64, false, Epi, true>(op, epi, split, num_sms, stream)
-                          : launch_det_gemm_tile<64, 32, false, Epi, true>(op, epi, split, num_sms, stream);
-      }
-      switch (t.bn) {
-        case 160: return launch_det_gemm_tile<128, 160, false, Epi, true>(op, epi, split, num_sms, stream);
-        case 128: return launch_det_gemm_tile<128, 128, false, Epi, true>(op, epi, split, num_sms, stream);
-        case 64: return launch_det_gemm_tile<128, 64, false, Epi, true>(op, epi, split, num_sms, stream);
-        default: return launch_det_gemm_tile<128, 32, false, Epi, true>(op, epi, split, num_sms, stream);
-      }
+    if (t.swap) return cudaErrorInvalidValue;
+    if (t.bm == 64) {
+      return t.bn == 64 ? launch_det_gemm_tile<64, 64, false, Epi, true>(op, epi, split, num_sms, stream)
+                        : launch_det_gemm_tile<64, 32, false, Epi, true>(op, epi, split, num_sms, stream);
+    }
+    switch (t.bn) {
+      case 160: return launch_det_gemm_tile<128, 160, false, Epi, true>(op, epi, split, num_sms, stream);
+      case 128: return launch_det_gemm_tile<128, 128, false, Epi, true>(op, epi, split, num_sms, stream);
+      case 64: return launch_det_gemm_tile<128, 64, false, Epi, true>(op, epi, split, num_sms, stream);
+      default: return launch_det_gemm_tile<128, 32, false, Epi, true>(op, epi, split, num_sms, stream);
     }
   }
   if (t.swap) {
@@ -1136,17 +1028,11 @@ cudaError_t launch_det_gemm_sm90(const GemmOperands& op, const Epi& epi, int num
   return launch_det_gemm_tile<128, 256, false>(op, epi, gemm_no_split(op.k), num_sms, stream);
 }
 
-// A number that no other launch of this process has had (SplitEpilogue's arrivals), never 0.
-inline unsigned long long next_split_epoch() {
-  static std::atomic<unsigned long long> last{0};
-  return last.fetch_add(1, std::memory_order_relaxed) + 1;
-}
-
 // det_gemm as plan_det_gemm(op.m, op.n, op.k, num_sms, ...) laid it out, into epi (a StoreEpilogue);
 // scratch holds plan.scratch_floats floats (null only when that is 0: a split across CTAs without it
 // is cudaErrorInvalidValue), 16-byte aligned, as every allocator gives it (the range sums are read
 // 16 bytes at a time where N is a multiple of 4). Split across CTAs, the tiles write their range
-// sums to scratch and the last range of each tile adds them up into epi (SplitEpilogue).
+// sums to scratch and rlk_det_gemm_combine_kernel adds them up into epi.
 template <typename Out>
 cudaError_t launch_det_gemm_planned(const GemmOperands& op, const StoreEpilogue<Out>& epi,
                                     const GemmPlan& plan, float* scratch, int num_sms, cudaStream_t stream) {
@@ -1156,22 +1042,15 @@ cudaError_t launch_det_gemm_planned(const GemmOperands& op, const StoreEpilogue<
   if (op.m <= 0 || op.n <= 0) return cudaSuccess;
   if (scratch == nullptr) return cudaErrorInvalidValue;
   const int64_t mn = static_cast<int64_t>(op.m) * op.n;
-  SplitEpilogue fix{};
-  fix.sums = StoreEpilogue<float>{scratch, op.n, nullptr, false, op.n % 2 == 0, false, mn};
-  fix.ws = scratch;
-  fix.mn = mn;
-  fix.splits = split.splits;
-  fix.arrivals = reinterpret_cast<unsigned long long*>(scratch + gemm_arrivals_offset(split.splits, op.m, op.n));
-  fix.epoch = next_split_epoch();
-  if constexpr (std::is_same_v<Out, __nv_bfloat16>) {
-    fix.out_dtype = DType::kBF16, fix.out_bf16 = epi;
-  } else if constexpr (std::is_same_v<Out, __half>) {
-    fix.out_dtype = DType::kF16, fix.out_f16 = epi;
-  } else {
-    static_assert(std::is_same_v<Out, float>, "det_gemm stores bf16, fp16 or fp32");
-    fix.out_dtype = DType::kF32, fix.out_f32 = epi;
-  }
-  return launch_det_gemm_on(plan.tile, op, fix, split, num_sms, stream);
+  const StoreEpilogue<float> sums{scratch, op.n, nullptr, false, op.n % 2 == 0, false, mn};
+  cudaError_t e = launch_det_gemm_on(plan.tile, op, sums, split, num_sms, stream);
+  if (e != cudaSuccess) return e;
+  // Four columns a thread where N allows (see the kernel), else a pair.
+  const int64_t per_row = combine_by_quads(op.n, split.splits) ? op.n / 4 : (op.n + 1) / 2;
+  const int64_t blocks = (static_cast<int64_t>(op.m) * per_row + 255) / 256;
+  PdlLaunch launch(static_cast<int>(blocks < 8 * num_sms ? blocks : 8 * num_sms), 256, 0, stream);
+  return cudaLaunchKernelEx(&launch.cfg, rlk_det_gemm_combine_kernel<StoreEpilogue<Out>>,
+                            static_cast<const float*>(scratch), split.splits, op.m, op.n, epi);
 }
 
 template <typename Epi>

@@ -110,17 +110,6 @@ __device__ __forceinline__ void named_bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Barrier `id` over `threads` threads that also returns whether any of them passed `pred`.
-__device__ __forceinline__ bool named_bar_or(int id, int threads, bool pred) {
-  uint32_t any;
-  asm volatile(
-      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}"
-      : "=r"(any)
-      : "r"(static_cast<uint32_t>(pred)), "r"(id), "r"(threads)
-      : "memory");
-  return any != 0;
-}
-
 // Arrives at barrier `id` without waiting: with named_bar_sync on the same id it hands a turn from
 // one group of threads to another (`threads` counts both groups).
 __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
