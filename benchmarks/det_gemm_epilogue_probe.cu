@@ -3,18 +3,28 @@
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --use_fast_math --expt-relaxed-constexpr \
 //     -Iinclude -Icsrc benchmarks/det_gemm_epilogue_probe.cu -o det_gemm_epilogue_probe
-//   ./det_gemm_epilogue_probe
+//   ./det_gemm_epilogue_probe [random]
 //
-// The operands are zeros (cudaMemset): the tensor cores switch less than on real data, so the main
-// loop may run faster and the epilogue's share read high; compare the two columns, not the TF/s
-// with benchmarks/hopper_ops.py's.
+// The operands are zeros (cudaMemset) unless `random` asks for hashed values in [-1, 1): on zeros the
+// tensor cores switch less than on real data, so the main loop may run faster and the epilogue's
+// share read high. Compare the two columns, not the TF/s with benchmarks/hopper_ops.py's.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <algorithm>
 #include <cstdio>
+#include <string>
 #include <vector>
 #include "rl_engine/cuda/det_gemm.cuh"
 using namespace rl_engine::cuda;
+
+// Values in [-1, 1) times scale from a hash of the index.
+__global__ void fill(__nv_bfloat16* p, size_t n, unsigned seed, float scale) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    unsigned h = unsigned(i) * 2654435761u ^ seed;
+    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
+    p[i] = __float2bfloat16_rn(scale * (float(h & 0xffff) / 32768.f - 1.f));
+  }
+}
 
 struct NullEpi {  // keeps the products alive, stores nothing unless *flag
   const int* flag;
@@ -48,7 +58,8 @@ float median_us(F f, int reps = 30) {
   return t[t.size() / 2];
 }
 
-int main() {
+int main(int argc, char** argv) {
+  const bool random = argc > 1 && std::string(argv[1]) == "random";
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   const int shapes[][3] = {{8192, 4096, 4096}, {4096, 4096, 4096}, {8192, 12288, 4096}, {8192, 4096, 12288}};
@@ -60,6 +71,10 @@ int main() {
     cudaMalloc(&c, size_t(m) * n * 2);
     cudaMemset(a, 0, size_t(m) * k * 2);
     cudaMemset(b, 0, size_t(n) * k * 2);
+    if (random) {
+      fill<<<1024, 256>>>(a, size_t(m) * k, 1u, 1.f);
+      fill<<<1024, 256>>>(b, size_t(n) * k, 2u, 0.02f);
+    }
     int* flag;
     float* sink;
     cudaMalloc(&flag, 4);
