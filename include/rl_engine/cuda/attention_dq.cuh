@@ -162,8 +162,7 @@ cudaError_t launch_attention_dq(const BwdParams& p, int64_t tq, int64_t tk, int 
   if (e != cudaSuccess) return e;
   auto kernel = rlk_attention_bwd_dq_kernel<T, D>;
   if ((e = set_smem(kernel, C::kSmemBytes)) != cudaSuccess) return e;
-  PdlLaunch launch(q_tiles * p.hq, C::kThreads, C::kSmemBytes, stream);
-  if (!behind_dkdv) launch.cfg.numAttrs = 0;
+  PdlLaunch launch(q_tiles * p.hq, C::kThreads, C::kSmemBytes, stream, behind_dkdv);
   return cudaLaunchKernelEx(&launch.cfg, kernel, mq, mdo, mk, mv, p);
 }
 

@@ -894,7 +894,8 @@ inline bool is_det_gemm_plan_option(int m, int n, int k, const GemmPlan& plan) {
 struct PdlLaunch {
   cudaLaunchAttribute attr[1];
   cudaLaunchConfig_t cfg{};
-  PdlLaunch(int grid, int block, int smem, cudaStream_t stream) {
+  // serialize false: a plain launch through the same configuration (no early start).
+  PdlLaunch(int grid, int block, int smem, cudaStream_t stream, bool serialize = true) {
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.gridDim = dim3(grid);
@@ -902,7 +903,7 @@ struct PdlLaunch {
     cfg.dynamicSmemBytes = static_cast<size_t>(smem);
     cfg.stream = stream;
     cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cfg.numAttrs = serialize ? 1 : 0;
   }
   PdlLaunch(const PdlLaunch&) = delete;  // cfg points into attr
 };
