@@ -378,19 +378,23 @@ struct StoreEpilogue {
   }
 
   // A fragment whose columns all exist, written 16 bytes a thread: the four lanes of a quad hold one
-  // row's pairs of four 8-column blocks and swap them (a 4 x 4 transpose through shuffles) so that
+  // row's pairs of four 8-column blocks and swap them (a 4 x 4 transpose in two butterfly rounds of
+  // shuffles: the 2 x 2 blocks of pairs with lane ^ 1, then the blocks of them with lane ^ 2) so that
   // each lane holds one block's 8 columns, and a row's 64 bytes go out in whole 16-byte pieces (two
   // whole sectors where rows start on 32 bytes), where pair stores would write 16 bytes of a sector
-  // at a time. The values and their one rounding are the same.
+  // at a time. A round costs two shuffles and six selects on a lane bit (each lane sends the pairs
+  // its partner keeps and takes theirs in their place); one shuffle per block with the selects on a
+  // computed index took 74 instructions a store (benchmarks/results/h100/epilogue_probe/). The
+  // values and their one rounding are the same.
   template <int kA>
   __device__ __forceinline__ void store_blocks(const float (&acc)[kA], int r, int col0, int m) const {
     const int c = threadIdx.x % 4;
-    const unsigned quad = threadIdx.x % 32 & ~3u;
+    const bool odd = c & 1, high = c & 2;
 #pragma unroll
     for (int q = 0; q < kA / 16; ++q) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        uint32_t p[4];
+        uint32_t p[4];  // p[i]: this lane's pair of block 4q + i
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int j = 4 * q + i, col = col0 + 8 * j + 2 * c;
@@ -398,19 +402,24 @@ struct StoreEpilogue {
           if (bias != nullptr) v0 = v0 + bias[col], v1 = v1 + bias[col + 1];
           rl_engine::cuda::store_pair(reinterpret_cast<Out*>(&p[i]), v0, v1);
         }
-        uint32_t w[4] = {0u, 0u, 0u, 0u};
+        // Lane c keeps the blocks whose bit agrees with its own and trades the others: after both
+        // rounds p[i] is lane i's pair of block 4q + c.
 #pragma unroll
-        for (int s = 0; s < 4; ++s) {  // lane c sends its pair of block (c + s) % 4 to that lane
-          const int give = (c + s) & 3, from = (c - s) & 3;
-          const uint32_t mine = give == 0 ? p[0] : give == 1 ? p[1] : give == 2 ? p[2] : p[3];
-          const uint32_t got = __shfl_sync(0xffffffffu, mine, quad | from);
+        for (int e = 0; e < 2; ++e) {
+          const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? p[2 * e] : p[2 * e + 1], 1);
+          p[2 * e] = odd ? got : p[2 * e];
+          p[2 * e + 1] = odd ? p[2 * e + 1] : got;
+        }
 #pragma unroll
-          for (int i = 0; i < 4; ++i) w[i] = i == from ? got : w[i];
+        for (int e = 0; e < 2; ++e) {
+          const uint32_t got = __shfl_xor_sync(0xffffffffu, high ? p[e] : p[e + 2], 2);
+          p[e] = high ? got : p[e];
+          p[e + 2] = high ? p[e + 2] : got;
         }
         const int row = r + 8 * h;
         if (row < m) {
           *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row) * ldo + col0 + 8 * (4 * q + c)) =
-              make_uint4(w[0], w[1], w[2], w[3]);
+              make_uint4(p[0], p[1], p[2], p[3]);
         }
       }
     }
