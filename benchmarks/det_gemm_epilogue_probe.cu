@@ -88,12 +88,11 @@ int main(int argc, char** argv) {
     const float t_null = median_us([&] { launch_det_gemm_tile<128, 256, false>(op, null, split, sms, 0); });
     const float t_192 = median_us([&] { launch_det_gemm_tile<128, 192, false>(op, store, split, sms, 0); });
     const float t_128 = median_us([&] { launch_det_gemm_tile<128, 128, false>(op, store, split, sms, 0); });
-    const float t_staged = median_us([&] { launch_det_gemm_staged(GemmTile{128, 256, false}, op, store, split, sms, 0); });
     const double tf = 2.0 * m * n * k / 1e12;
     std::printf("m=%d n=%d k=%d  store %.1f us (%.0f TF/s)  no store %.1f us (%.0f)  epilogue share %.1f%%  "
-                "staged %.1f us  128x192 %.1f us  128x128 %.1f us  err=%s\n",
+                "128x192 %.1f us  128x128 %.1f us  err=%s\n",
                 m, n, k, t_store, tf / t_store * 1e6, t_null, tf / t_null * 1e6, 100.0 * (t_store - t_null) / t_store,
-                t_staged, t_192, t_128, cudaGetErrorString(cudaGetLastError()));
+                t_192, t_128, cudaGetErrorString(cudaGetLastError()));
     cudaFree(a), cudaFree(b), cudaFree(c), cudaFree(flag), cudaFree(sink);
   }
   return 0;

@@ -38,7 +38,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "rl_engine/cuda/gemm_staged_store.cuh"
 #include "rl_engine/cuda/gemm_wgmma.cuh"
 #include "rl_engine/cuda/ptx.cuh"
 #include "rl_engine/cuda/types.cuh"
@@ -129,7 +128,7 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
                                   gemm_cfg::gemm_max_occupancy(kBM > 64 ? 2 : 1, kBN))
     rlk_det_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                              const __grid_constant__ CUtensorMap map_b, int m, int n, int k,
-                             const GemmRing ring, const __grid_constant__ Epi epi, bool stream_dependents,
+                             const GemmRing ring, const Epi epi, bool stream_dependents,
                              const GemmSplit split) {
   using namespace gemm_cfg;
   constexpr int kConsumers = kBM > 64 ? 2 : 1;
@@ -212,11 +211,6 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
   float sum[kTwo ? kBN / 2 : 1];
   int s = 0;
   uint32_t phase = 0;
-  // A staged epilogue's shared memory (past the barriers, see launch_det_gemm_grid) and the chunks
-  // this thread has stored through it.
-  constexpr int kStaging = StagingBytes<Epi>::value;
-  const uint32_t staging = bars + 2 * kMaxStages * 8 + c * kStaging;
-  uint32_t staged = 0;
   for (int item = blockIdx.x; item < split.items; item += gridDim.x) {
     int tile, first, end, mb, nb;
     ranges(item, tile, first, end);
@@ -278,15 +272,12 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
       }
     }
     const int row_end = (mb + 1) * kBM < m ? (mb + 1) * kBM : m;
-    if constexpr (kStaging > 0) {  // never split across CTAs (launch_det_gemm_planned)
-      epi.store_staged(acc, mb * kBM + c * 64, nb * kBN, row_end, n, staging, staged);
-    } else if (split.across) {
+    if (split.across) {
       epilogue_for_split(epi, first)(acc, mb * kBM + c * 64, nb * kBN, row_end, n);
     } else {
       epi(acc, mb * kBM + c * 64, nb * kBN, row_end, n);
     }
   }
-  if constexpr (kStaging > 0) epi.drain();
 }
 
 // Plain fp32 path (fp32 or mixed-dtype operands): 64 x 64 tiles, each output one fmaf chain over
@@ -604,24 +595,21 @@ inline TmaEncodeFn tma_encode_fn() {
   return fn;
 }
 
-// Tensor map of a row-major [rows, cols] 16-bit matrix, box box_cols (64 unless given) x box_rows
-// rows (8 to 256), 128-byte swizzle unless given; reads past the edges return zeros, stores skip
-// them. Needs a 16-byte aligned base and row pitch.
+// Tensor map of a row-major [rows, cols] 16-bit matrix, box 64 columns x box_rows rows (8 to 256),
+// 128-byte swizzle; reads past the edges return zeros. Needs a 16-byte aligned base and row pitch.
 inline cudaError_t encode_tma_2d(CUtensorMap* map, const void* ptr, DType dtype, int64_t rows,
-                                 int64_t cols, int64_t ld, uint32_t box_rows,
-                                 uint32_t box_cols = gemm_cfg::kBK,
-                                 CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
+                                 int64_t cols, int64_t ld, uint32_t box_rows) {
   const TmaEncodeFn encode = tma_encode_fn();
   if (encode == nullptr) return cudaErrorSymbolNotFound;
   if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0 || (ld * 2) % 16 != 0) return cudaErrorInvalidValue;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld * 2)};
-  const cuuint32_t box[2] = {box_cols, box_rows};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(gemm_cfg::kBK), box_rows};
   const cuuint32_t elem_strides[2] = {1, 1};
   const CUresult r = encode(
       map, dtype == DType::kF16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
       2, const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
@@ -650,7 +638,7 @@ inline int gemm_ring_bytes(int occupancy) {
 // that exist (m rounded up to 8) when m is below the tile height; `subs` K blocks a stage; as many
 // stages as fit. A launch with fewer tiles than resident slots runs fewer CTAs an SM, each with a
 // deeper ring: a weight stream is paced by the bytes in flight per SM.
-inline GemmRing gemm_ring(int bm, int bn, int subs, int m, int64_t tiles, int num_sms, int reserve = 0) {
+inline GemmRing gemm_ring(int bm, int bn, int subs, int m, int64_t tiles, int num_sms) {
   using namespace gemm_cfg;
   GemmRing r{};
   r.a_rows = m >= bm ? bm : (m + 7) / 8 * 8;
@@ -662,7 +650,7 @@ inline GemmRing gemm_ring(int bm, int bn, int subs, int m, int64_t tiles, int nu
   // The most resident CTAs useful (and allowed) that still leave each a ring of 4 stages (one where
   // nothing else fits).
   for (r.occupancy = per_sm < most ? static_cast<int>(per_sm) : most;; r.occupancy /= 2) {
-    const int fit = static_cast<int>((gemm_ring_bytes(r.occupancy) - reserve) / r.stage_bytes);
+    const int fit = static_cast<int>(gemm_ring_bytes(r.occupancy) / r.stage_bytes);
     r.stages = fit < kMaxStages ? fit : kMaxStages;
     if (r.stages >= 4 || r.occupancy == 1) break;
   }
@@ -936,10 +924,8 @@ cudaError_t launch_det_gemm_grid(const GemmOperands& op, const Epi& epi, const G
   if (op.m <= 0 || op.n <= 0) return cudaSuccess;
   const int64_t tiles = static_cast<int64_t>((op.m + kBM - 1) / kBM) * ((op.n + kBN - 1) / kBN);
   const int64_t items = split.across ? tiles * split.splits : tiles;
-  // A staged epilogue's shared memory comes out of the ring's (one CTA an SM).
-  constexpr int kStaging = (kBM > 64 ? 2 : 1) * StagingBytes<Epi>::value;
   // An MN-major A always takes whole 64-row panels (zero-filled past m).
-  const GemmRing ring = gemm_ring(kBM, kBN, kSubs, kTA && op.m < kBM ? kBM : op.m, items, num_sms, kStaging);
+  const GemmRing ring = gemm_ring(kBM, kBN, kSubs, kTA && op.m < kBM ? kBM : op.m, items, num_sms);
   CUtensorMap map_a, map_b;
   cudaError_t e = kTA ? encode_tma_2d(&map_a, op.a, op.dtype, op.k, op.m, op.lda, kBK)
                       : encode_tma_2d(&map_a, op.a, op.dtype, op.m, op.k, op.lda, ring.a_rows);
@@ -950,7 +936,7 @@ cudaError_t launch_det_gemm_grid(const GemmOperands& op, const Epi& epi, const G
   if (e != cudaSuccess) return e;
   auto kernel = op.dtype == DType::kF16 ? rlk_det_gemm_sm90_kernel<kBM, kBN, kSubs, true, kTA, kTB, kTwo, Epi>
                                         : rlk_det_gemm_sm90_kernel<kBM, kBN, kSubs, false, kTA, kTB, kTwo, Epi>;
-  const int smem = ring.stages * static_cast<int>(ring.stage_bytes) + kOverhead + kStaging;
+  const int smem = ring.stages * static_cast<int>(ring.stage_bytes) + kOverhead;
   e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   const int grid = items < ring.occupancy * num_sms ? static_cast<int>(items) : ring.occupancy * num_sms;
@@ -1057,42 +1043,11 @@ cudaError_t launch_det_gemm_sm90(const GemmOperands& op, const Epi& epi, int num
 // is cudaErrorInvalidValue), 16-byte aligned, as every allocator gives it (the range sums are read
 // 16 bytes at a time where N is a multiple of 4). Split across CTAs, the tiles write their range
 // sums to scratch and rlk_det_gemm_combine_kernel adds them up into epi.
-// Whether a plan's tiles store through shared memory (StagedStoreEpilogue): the 128-row tiles of
-// 128 to 256 columns with K in one range, where the tiles are many and each CTA has the shared
-// memory to spare (one stage fewer only on 128 x 160), into a 16-bit output that takes whole
-// 16-byte rows (epi.rows16) and is not added to.
-template <typename Out>
-bool gemm_stages_store(const GemmPlan& plan, const StoreEpilogue<Out>& epi) {
-  return sizeof(Out) == 2 && epi.rows16 && !epi.accumulate && plan.split.splits == 1 && !plan.tile.swap &&
-         plan.tile.bm == 128 && plan.tile.bn >= 128;
-}
-
-template <typename Out>
-cudaError_t launch_det_gemm_staged(const GemmTile& t, const GemmOperands& op, const StoreEpilogue<Out>& epi,
-                                   const GemmSplit& split, int num_sms, cudaStream_t stream) {
-  using Staged = StagedStoreEpilogue<Out>;
-  Staged staged{};
-  staged.bias = epi.bias;
-  const cudaError_t e = encode_tma_2d(&staged.map, epi.out, std::is_same_v<Out, __half> ? DType::kF16 : DType::kBF16,
-                                      op.m, op.n, epi.ldo, Staged::kWarpRows, Staged::kChunkCols,
-                                      CU_TENSOR_MAP_SWIZZLE_64B);
-  if (e != cudaSuccess) return e;
-  switch (t.bn) {
-    case 256: return launch_det_gemm_tile<128, 256, false>(op, staged, split, num_sms, stream);
-    case 192: return launch_det_gemm_tile<128, 192, false>(op, staged, split, num_sms, stream);
-    case 160: return launch_det_gemm_tile<128, 160, false>(op, staged, split, num_sms, stream);
-    default: return launch_det_gemm_tile<128, 128, false>(op, staged, split, num_sms, stream);
-  }
-}
-
 template <typename Out>
 cudaError_t launch_det_gemm_planned(const GemmOperands& op, const StoreEpilogue<Out>& epi,
                                     const GemmPlan& plan, float* scratch, int num_sms, cudaStream_t stream) {
   GemmSplit split = plan.split;
   split.scratch = scratch;
-  if constexpr (sizeof(Out) == 2) {
-    if (gemm_stages_store(plan, epi)) return launch_det_gemm_staged(plan.tile, op, epi, split, num_sms, stream);
-  }
   if (!split.across) return launch_det_gemm_on(plan.tile, op, epi, split, num_sms, stream);
   if (op.m <= 0 || op.n <= 0) return cudaSuccess;
   if (scratch == nullptr) return cudaErrorInvalidValue;
