@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
 
   const int m_blocks = (m + kBM - 1) / kBM, n_blocks = (n + kBN - 1) / kBN;
   const int k_iters = (k + kBK - 1) / kBK;
-  // Paired (a cluster of two CTAs, see gemm_pairs_tiles): a work item is two tiles side by side
+  // Paired (a cluster of two CTAs, see gemm_may_pair): a work item is two tiles side by side
   // in one row block, one for each CTA of the pair, and each CTA loads half of their common A
   // block into both; the second tile of a pair past N computes zeros and stores nothing.
   const uint32_t rank = paired ? ptx::cluster_ctarank() : 0u;
