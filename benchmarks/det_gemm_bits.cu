@@ -8,26 +8,25 @@
 //   ./det_gemm_bits_a a.bin > a.txt; ./det_gemm_bits_b b.bin > b.txt; cmp a.bin b.bin
 //
 // benchmarks/results/h100/paired/pair_check.txt is its listing at b8b1874 (built against b8b1874's
-// and ad124a8's headers).
+// and ad124a8's headers), printed before its fill and timer moved to cuda_bench.cuh.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
-#include <algorithm>
+
 #include <cstdio>
-#include <cstring>
 #include <vector>
+
+#include "cuda_bench.cuh"
 #include "rl_engine/cuda/det_gemm.cuh"
 using namespace rl_engine::cuda;
-__global__ void fill(__nv_bfloat16* p, size_t n, unsigned seed, float scale) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    unsigned h = unsigned(i) * 2654435761u ^ seed;
-    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
-    p[i] = __float2bfloat16_rn(scale * (float(h & 0xffff) / 32768.f - 1.f));
-  }
-}
+
 int main(int argc, char** argv) {
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  FILE* f = fopen(argv[1], "wb");
+  FILE* f = argc == 2 ? fopen(argv[1], "wb") : nullptr;
+  if (f == nullptr) {
+    std::fprintf(stderr, "usage: %s OUT.bin (a file this program can create)\n", argv[0]);
+    return 2;
+  }
   const int nk[][2] = {{4096, 4096}, {2560, 4096}, {1024, 2560}, {19456, 2560}, {2592, 4096}, {4096, 12288}};
   const int ms[] = {40, 48, 64, 96, 128, 200, 256, 1000, 4097};
   for (auto& s : nk) for (int m : ms) {
@@ -35,8 +34,8 @@ int main(int argc, char** argv) {
     __nv_bfloat16 *a, *b, *c; float *bias, *scratch = nullptr;
     cudaMalloc(&a, size_t(m) * k * 2); cudaMalloc(&b, size_t(n) * k * 2); cudaMalloc(&c, size_t(m) * n * 2);
     cudaMalloc(&bias, n * 4);
-    fill<<<1024, 256>>>(a, size_t(m) * k, 1u + m, 1.f);
-    fill<<<1024, 256>>>(b, size_t(n) * k, 2u + n, 0.02f);
+    fill_hashed<<<1024, 256>>>(a, size_t(m) * k, 1u + m, 1.f);
+    fill_hashed<<<1024, 256>>>(b, size_t(n) * k, 2u + n, 0.02f);
     std::vector<float> hb(n); for (int i = 0; i < n; ++i) hb[i] = 0.001f * (i % 97);
     cudaMemcpy(bias, hb.data(), n * 4, cudaMemcpyHostToDevice);
     const GemmOperands op{a, k, b, k, m, n, k, DType::kBF16};
@@ -50,15 +49,9 @@ int main(int argc, char** argv) {
     std::vector<uint16_t> h(size_t(m) * n);
     cudaMemcpy(h.data(), c, h.size() * 2, cudaMemcpyDeviceToHost);
     fwrite(h.data(), 2, h.size(), f);
-    cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
-    std::vector<float> t;
-    for (int i = 0; i < 25; ++i) {
-      cudaEventRecord(e0); launch_det_gemm_planned(op, store, plan, scratch, sms, 0); cudaEventRecord(e1);
-      cudaEventSynchronize(e1); float ms_; cudaEventElapsedTime(&ms_, e0, e1); t.push_back(ms_ * 1000);
-    }
-    std::sort(t.begin(), t.end());
+    const float us = median_us([&] { launch_det_gemm_planned(op, store, plan, scratch, sms, 0); }, 25, 0);
     printf("m=%5d n=%5d k=%5d tile %dx%d%s splits %d%s  %8.1f us  launch=%s err=%s\n", m, n, k, plan.tile.bm, plan.tile.bn,
-           plan.tile.swap ? " swapped" : "", plan.split.splits, plan.split.across ? " across" : "", t[t.size() / 2],
+           plan.tile.swap ? " swapped" : "", plan.split.splits, plan.split.across ? " across" : "", us,
            cudaGetErrorString(le), cudaGetErrorString(cudaGetLastError()));
     cudaFree(a), cudaFree(b), cudaFree(c), cudaFree(bias); if (scratch) cudaFree(scratch);
   }

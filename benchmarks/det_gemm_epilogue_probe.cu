@@ -10,21 +10,12 @@
 // share read high. Compare the two columns, not the TF/s with benchmarks/hopper_ops.py's.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
-#include <algorithm>
 #include <cstdio>
 #include <string>
-#include <vector>
+
+#include "cuda_bench.cuh"
 #include "rl_engine/cuda/det_gemm.cuh"
 using namespace rl_engine::cuda;
-
-// Values in [-1, 1) times scale from a hash of the index.
-__global__ void fill(__nv_bfloat16* p, size_t n, unsigned seed, float scale) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    unsigned h = unsigned(i) * 2654435761u ^ seed;
-    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
-    p[i] = __float2bfloat16_rn(scale * (float(h & 0xffff) / 32768.f - 1.f));
-  }
-}
 
 struct NullEpi {  // keeps the products alive, stores nothing unless *flag
   const int* flag;
@@ -37,26 +28,6 @@ struct NullEpi {  // keeps the products alive, stores nothing unless *flag
     if (*flag) sink[threadIdx.x] = s;
   }
 };
-
-template <typename F>
-float median_us(F f, int reps = 30) {
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  for (int i = 0; i < 5; ++i) f();
-  std::vector<float> t;
-  for (int i = 0; i < reps; ++i) {
-    cudaEventRecord(a);
-    f();
-    cudaEventRecord(b);
-    cudaEventSynchronize(b);
-    float ms;
-    cudaEventElapsedTime(&ms, a, b);
-    t.push_back(ms * 1000);
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
 
 int main(int argc, char** argv) {
   const bool random = argc > 1 && std::string(argv[1]) == "random";
@@ -72,8 +43,8 @@ int main(int argc, char** argv) {
     cudaMemset(a, 0, size_t(m) * k * 2);
     cudaMemset(b, 0, size_t(n) * k * 2);
     if (random) {
-      fill<<<1024, 256>>>(a, size_t(m) * k, 1u, 1.f);
-      fill<<<1024, 256>>>(b, size_t(n) * k, 2u, 0.02f);
+      fill_hashed<<<1024, 256>>>(a, size_t(m) * k, 1u, 1.f);
+      fill_hashed<<<1024, 256>>>(b, size_t(n) * k, 2u, 0.02f);
     }
     int* flag;
     float* sink;
