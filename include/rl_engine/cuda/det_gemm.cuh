@@ -65,6 +65,17 @@ __host__ __device__ constexpr int gemm_max_occupancy(int consumers, int bn) {
 constexpr int kGroupM = 16;  // tile order: 16 row blocks per band, for L2 reuse of B
 }  // namespace gemm_cfg
 
+// Whether a tile that runs all of its K ranges (kTwo) swings them between two accumulators, its
+// running sum in shared memory (see the kernel): the 128-row tiles of 64 and 128 columns, where two
+// accumulators fit the consumer's registers as one 128 x 256 tile's does.
+__host__ __device__ constexpr bool gemm_swings(int bm, int bn, bool two) {
+  return two && bm == 128 && (bn == 64 || bn == 128);
+}
+// The shared memory a launch keeps beside its ring: the running sums of a swinging tile.
+__host__ __device__ constexpr int gemm_sum_bytes(int bm, int bn, bool two) {
+  return gemm_swings(bm, bn, two) ? bm * bn * 4 : 0;
+}
+
 // Shared-memory ring of one launch: each stage holds gemm_subs(bn) K blocks of A (a_rows rows each)
 // then as many of B (bn rows each), every block 1024-byte aligned as the 128-byte swizzle needs.
 struct GemmRing {
@@ -207,8 +218,20 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
   if constexpr (kConsumers == 2) ptx::setmaxnreg_inc<240>();  // one warpgroup fits as compiled
   const int c = wg - 1;
   float acc[kBN / 2];
-  // kTwo: a CTA that runs all of a tile's K ranges keeps their running sum here.
-  float sum[kTwo ? kBN / 2 : 1];
+  // kTwo: a CTA that runs all of a tile's K ranges keeps their running sum in `sum`, or, where the
+  // ranges swing (gemm_swings), in shared memory (`sums`, each thread its own slots) while they take
+  // turns between two accumulators: the ranges after the first alternate other, acc, other..., so
+  // that a range's products start while the last one's sum joins the running sum, instead of the
+  // tensor pipe waiting for that addition at every range end. Such a range's first k16 step writes
+  // its accumulator afresh (scale-d = 0) rather than adding to zeros, which differs only where
+  // every product is -0 (-0 in place of +0); the running sum starts from the first range's
+  // +0-seeded sum, so it adds the two alike: the same bits.
+  constexpr bool kSwing = gemm_swings(kBM, kBN, kTwo);
+  float sum[kTwo && !kSwing ? kBN / 2 : 1];
+  float other[kSwing ? kBN / 2 : 1];
+  // Float4 q of this thread's sum slots: consecutive threads 16 bytes apart.
+  float4* const sums = reinterpret_cast<float4*>(smem_raw + (bars + 16u * kMaxStages - ptx::smem_u32(smem_raw))) +
+                       c * (16 * kBN) + tid;
   int s = 0;
   uint32_t phase = 0;
   for (int item = blockIdx.x; item < split.items; item += gridDim.x) {
@@ -220,10 +243,11 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
     int held = -1;  // the stage whose products may still be in flight
     const int kb_end = min(k_iters, end * split.blocks);
     int join = (first + 1) * split.blocks;  // where the next range starts (kTwo)
-    for (int kb = first * split.blocks; kb < kb_end;) {
-      ptx::mbar_wait(full(s), phase);
-      const uint32_t st = base + s * ring.stage_bytes;
-      ptx::wgmma_fence();
+    bool swung = false;  // kSwing: this range accumulates in other
+    // One stage's products into d; kFresh: the stage starts a range in d (its first step writes d
+    // afresh).
+    auto stage = [&](auto fresh, float(&d)[kBN / 2], uint32_t st) {
+      constexpr bool kFresh = decltype(fresh)::value;
 #pragma unroll
       for (int j = 0; j < kSubs; ++j) {
         const uint32_t a = st + j * ring.a_bytes + c * kPanelBytes;
@@ -235,16 +259,69 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
                                   : ptx::smem_desc_sw128(a + 32 * kk);
           const uint64_t db = kTB ? ptx::smem_desc_sw128_mn(b + 16 * kRowBytes * kk, kPanelBytes)
                                   : ptx::smem_desc_sw128(b + 32 * kk);
-          ptx::wgmma_gemm<kBN, kHalf, kTA, kTB>(acc, da, db);
+          if constexpr (kFresh) {
+            if (j == 0 && kk == 0) {
+              ptx::wgmma_gemm<kBN, kHalf, kTA, kTB, true>(d, da, db);
+              continue;
+            }
+          }
+          ptx::wgmma_gemm<kBN, kHalf, kTA, kTB>(d, da, db);
         }
+      }
+    };
+    using Fresh = std::true_type;
+    using Adds = std::false_type;
+    for (int kb = first * split.blocks; kb < kb_end;) {
+      ptx::mbar_wait(full(s), phase);
+      const uint32_t st = base + s * ring.stage_bytes;
+      ptx::wgmma_fence();
+      if constexpr (kSwing) {
+        // A range after the first starts in other, then acc, other... (see kSwing).
+        const bool starts = kb == join - split.blocks && kb != first * split.blocks;
+        if (swung) {
+          starts ? stage(Fresh{}, other, st) : stage(Adds{}, other, st);
+        } else {
+          starts ? stage(Fresh{}, acc, st) : stage(Adds{}, acc, st);
+        }
+      } else {
+        stage(Adds{}, acc, st);
       }
       ptx::wgmma_commit();
       ptx::wgmma_wait<1>();  // the previous stage's products are done: free its slot
       if (held >= 0 && tid == 0) ptx::mbar_arrive(empty(held));
       held = s;
       if (++s == ring.stages) s = 0, phase ^= 1u;
+      // kSwing: the first stage of a range after the first is in flight and the last range's
+      // products are done (wait<1>): that range's sum joins the running sum now, in the order the
+      // ranges come (its accumulator is written afresh by the range after this one).
+      if constexpr (kSwing) {
+        if (kb == join - split.blocks && kb != first * split.blocks) {
+          const bool first_sum = kb == (first + 1) * split.blocks;
+          auto fold = [&](float(&done)[kBN / 2]) {
+#pragma unroll
+            for (int q = 0; q < kBN / 8; ++q) {
+              float4 v;
+              ptx::reg_fence(done[4 * q]), ptx::reg_fence(done[4 * q + 1]);
+              ptx::reg_fence(done[4 * q + 2]), ptx::reg_fence(done[4 * q + 3]);
+              v = make_float4(done[4 * q], done[4 * q + 1], done[4 * q + 2], done[4 * q + 3]);
+              if (!first_sum) {
+                const float4 o = sums[128 * q];
+                v = make_float4(__fadd_rn(o.x, v.x), __fadd_rn(o.y, v.y), __fadd_rn(o.z, v.z), __fadd_rn(o.w, v.w));
+              }
+              sums[128 * q] = v;
+            }
+          };
+          if (swung) {
+            fold(acc);
+          } else {
+            fold(other);
+          }
+        }
+      }
       kb += kSubs;
-      if constexpr (kTwo) {
+      if constexpr (kSwing) {
+        if (kb == join && kb < kb_end) swung = !swung, join += split.blocks;
+      } else if constexpr (kTwo) {
         // A range ends before the tile does: its sum joins the running sum (the first one is it),
         // and the accumulator starts again from zero. The last range joins after the loop.
         if (kb == join && kb < kb_end) {
@@ -265,7 +342,22 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
     if (held >= 0 && tid == 0) ptx::mbar_arrive(empty(held));
 #pragma unroll
     for (int i = 0; i < kBN / 2; ++i) ptx::reg_fence(acc[i]);
-    if constexpr (kTwo) {
+    if constexpr (kSwing) {
+#pragma unroll
+      for (int i = 0; i < kBN / 2; ++i) ptx::reg_fence(other[i]);
+      if (swung) {  // the last range ran in other
+#pragma unroll
+        for (int i = 0; i < kBN / 2; ++i) acc[i] = other[i];
+      }
+      if (kb_end > split.blocks) {
+#pragma unroll
+        for (int q = 0; q < kBN / 8; ++q) {
+          const float4 o = sums[128 * q];
+          acc[4 * q] = __fadd_rn(o.x, acc[4 * q]), acc[4 * q + 1] = __fadd_rn(o.y, acc[4 * q + 1]);
+          acc[4 * q + 2] = __fadd_rn(o.z, acc[4 * q + 2]), acc[4 * q + 3] = __fadd_rn(o.w, acc[4 * q + 3]);
+        }
+      }
+    } else if constexpr (kTwo) {
       if (kb_end > split.blocks) {
 #pragma unroll
         for (int i = 0; i < kBN / 2; ++i) acc[i] = __fadd_rn(sum[i], acc[i]);
@@ -638,7 +730,7 @@ inline int gemm_ring_bytes(int occupancy) {
 // that exist (m rounded up to 8) when m is below the tile height; `subs` K blocks a stage; as many
 // stages as fit. A launch with fewer tiles than resident slots runs fewer CTAs an SM, each with a
 // deeper ring: a weight stream is paced by the bytes in flight per SM.
-inline GemmRing gemm_ring(int bm, int bn, int subs, int m, int64_t tiles, int num_sms) {
+inline GemmRing gemm_ring(int bm, int bn, int subs, int m, int64_t tiles, int num_sms, int extra_bytes = 0) {
   using namespace gemm_cfg;
   GemmRing r{};
   r.a_rows = m >= bm ? bm : (m + 7) / 8 * 8;
@@ -650,7 +742,7 @@ inline GemmRing gemm_ring(int bm, int bn, int subs, int m, int64_t tiles, int nu
   // The most resident CTAs useful (and allowed) that still leave each a ring of 4 stages (one where
   // nothing else fits).
   for (r.occupancy = per_sm < most ? static_cast<int>(per_sm) : most;; r.occupancy /= 2) {
-    const int fit = static_cast<int>(gemm_ring_bytes(r.occupancy) / r.stage_bytes);
+    const int fit = static_cast<int>((gemm_ring_bytes(r.occupancy) - extra_bytes) / r.stage_bytes);
     r.stages = fit < kMaxStages ? fit : kMaxStages;
     if (r.stages >= 4 || r.occupancy == 1) break;
   }
@@ -793,15 +885,15 @@ inline GemmSplit choose_gemm_split(int n, int k) {
 inline GemmSplit gemm_no_split(int k) { return {1, (k + gemm_cfg::kBK - 1) / gemm_cfg::kBK, false, nullptr, 0}; }
 
 // A tile whose accumulator fits twice in a thread's registers (the running sum of a split K
-// beside the range's own): 128 rows by at most 160 columns (2 x 80 of 240 registers), 64 rows by
-// at most 64 (two CTAs an SM, 128 registers). A wider pick becomes 160 or 128 columns, whichever
-// leaves less of the last column block empty (160 on a tie: it stages fewer bytes per product);
-// 64 x 128 becomes 128 x 64, as many tiles with half the shared-memory traffic per product of
-// 64 x 64's twice as many (benchmarks/hopper_ops.py at da6f8da, the KV projections at M = 1024:
-// 4B 16.5 -> 13.8 us, 8B 25.6 -> 20.0).
-inline GemmTile gemm_two_sum_tile(GemmTile t, int n) {
+// beside the range's own, or two accumulators the ranges swing between, see gemm_swings): 128 rows
+// by at most 128 columns, 64 rows by at most 64 (two CTAs an SM, 128 registers). A wider pick
+// becomes 128 x 128, whose ranges swing (128 x 160 drains the tensor pipe at each range end); 64 x
+// 128 becomes 128 x 64, as many tiles with half the shared-memory traffic per product of 64 x 64's
+// twice as many (benchmarks/hopper_ops.py at da6f8da, the KV projections at M = 1024: 4B 16.5 ->
+// 13.8 us, 8B 25.6 -> 20.0).
+inline GemmTile gemm_two_sum_tile(GemmTile t) {
   if (t.bm == 64 && t.bn > 64) t = {128, 64, false};
-  if (t.bm == 128 && t.bn > 160) t.bn = (n + 159) / 160 * 160 - n <= (n + 127) / 128 * 128 - n ? 160 : 128;
+  if (t.bm == 128 && t.bn > 128) t.bn = 128;
   return t;
 }
 
@@ -840,7 +932,7 @@ inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms, bool split_k) {
     p.scratch_floats = static_cast<int64_t>(p.split.splits) * m * n;
     return p;
   }
-  p.tile = gemm_two_sum_tile(t, n);
+  p.tile = gemm_two_sum_tile(t);
   return p;
 }
 
@@ -925,7 +1017,8 @@ cudaError_t launch_det_gemm_grid(const GemmOperands& op, const Epi& epi, const G
   const int64_t tiles = static_cast<int64_t>((op.m + kBM - 1) / kBM) * ((op.n + kBN - 1) / kBN);
   const int64_t items = split.across ? tiles * split.splits : tiles;
   // An MN-major A always takes whole 64-row panels (zero-filled past m).
-  const GemmRing ring = gemm_ring(kBM, kBN, kSubs, kTA && op.m < kBM ? kBM : op.m, items, num_sms);
+  constexpr int kSums = gemm_sum_bytes(kBM, kBN, kTwo);
+  const GemmRing ring = gemm_ring(kBM, kBN, kSubs, kTA && op.m < kBM ? kBM : op.m, items, num_sms, kSums);
   CUtensorMap map_a, map_b;
   cudaError_t e = kTA ? encode_tma_2d(&map_a, op.a, op.dtype, op.k, op.m, op.lda, kBK)
                       : encode_tma_2d(&map_a, op.a, op.dtype, op.m, op.k, op.lda, ring.a_rows);
@@ -936,7 +1029,7 @@ cudaError_t launch_det_gemm_grid(const GemmOperands& op, const Epi& epi, const G
   if (e != cudaSuccess) return e;
   auto kernel = op.dtype == DType::kF16 ? rlk_det_gemm_sm90_kernel<kBM, kBN, kSubs, true, kTA, kTB, kTwo, Epi>
                                         : rlk_det_gemm_sm90_kernel<kBM, kBN, kSubs, false, kTA, kTB, kTwo, Epi>;
-  const int smem = ring.stages * static_cast<int>(ring.stage_bytes) + kOverhead;
+  const int smem = ring.stages * static_cast<int>(ring.stage_bytes) + kOverhead + kSums;
   e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   const int grid = items < ring.occupancy * num_sms ? static_cast<int>(items) : ring.occupancy * num_sms;

@@ -1,6 +1,6 @@
 // wgmma m64nNk16 of det_gemm for every tile width it uses (N = 8 ... 256), operands in shared
 // memory (K-major; MN-major where kTA / kTB say so, at N >= 64), fp32 accumulators, scale-d = 1 (the
-// caller zeroes them). The narrow widths serve the small-M tiles, 160 and 192 the shapes whose
+// caller zeroes them) unless kFresh (scale-d = 0, at N = 32, 64 and 128: see wgmma_ss). The narrow widths serve the small-M tiles, 160 and 192 the shapes whose
 // column count a 256-wide tile would leave a wave part-empty; every width gives an output element
 // the same k16 step, so a row's bits do not depend on which width computed it.
 #pragma once
@@ -22,6 +22,12 @@ namespace rl_engine::cuda::ptx {
 #define RLK_GW_NARROW(SHAPE, TYPE, OUTS, A, B, REGS)                                             \
   asm volatile("wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " {" OUTS "}, " A ", " B \
                ", 1, 1, 1, 0, 0;"                                                                  \
+               : REGS(d)                                                                           \
+               : "l"(desc_a), "l"(desc_b))
+// The same with scale-d = 0 (see wgmma_ss's kFresh).
+#define RLK_GW_NARROW_FRESH(SHAPE, TYPE, OUTS, A, B, REGS)                                       \
+  asm volatile("wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " {" OUTS "}, " A ", " B \
+               ", 0, 1, 1, 0, 0;"                                                                  \
                : REGS(d)                                                                           \
                : "l"(desc_a), "l"(desc_b))
 
@@ -48,13 +54,22 @@ namespace rl_engine::cuda::ptx {
                : REGS(d)                                                                           \
                : "l"(desc_a), "l"(desc_b), "n"(int{kTA}), "n"(int{kTB}))
 
-template <int N, bool kHalf, bool kTA = false, bool kTB = false>
+template <int N, bool kHalf, bool kTA = false, bool kTB = false, bool kFresh = false>
 __device__ __forceinline__ void wgmma_gemm(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b) {
 #ifdef RLK_NO_SM90A
   __trap();
 #else
   static_assert(N >= 64 || !(kTA || kTB), "wgmma_gemm: MN-major operands only at N >= 64");
-  if constexpr (N == 8 && kHalf) {
+  static_assert(!kFresh || N == 32 || N == 64 || N == 128, "wgmma_gemm: kFresh at N = 32, 64 or 128");
+  if constexpr (kFresh && N == 32 && kHalf) {
+    RLK_GW_NARROW_FRESH("m64n32k16", "f16",
+                        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15", "%16",
+                        "%17", RLK_GW_REGS16);
+  } else if constexpr (kFresh && N == 32) {
+    RLK_GW_NARROW_FRESH("m64n32k16", "bf16",
+                        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15", "%16",
+                        "%17", RLK_GW_REGS16);
+  } else if constexpr (N == 8 && kHalf) {
     RLK_GW_NARROW("m64n8k16", "f16", "%0, %1, %2, %3", "%4", "%5", RLK_GW_REGS4);
   } else if constexpr (N == 8) {
     RLK_GW_NARROW("m64n8k16", "bf16", "%0, %1, %2, %3", "%4", "%5", RLK_GW_REGS4);
@@ -71,7 +86,7 @@ __device__ __forceinline__ void wgmma_gemm(float (&d)[N / 2], uint64_t desc_a, u
                   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15", "%16",
                   "%17", RLK_GW_REGS16);
   } else if constexpr (N == 64 || N == 128) {
-    wgmma_ss<N, kHalf, kTA, kTB>(d, desc_a, desc_b);
+    wgmma_ss<N, kHalf, kTA, kTB, kFresh>(d, desc_a, desc_b);
   } else if constexpr (N == 160 && kHalf) {
     RLK_GW_WIDE("m64n160k16", "f16", RLK_GW_OUTS80, "%80", "%81", "%82", "%83", RLK_GW_REGS80);
   } else if constexpr (N == 160) {
@@ -94,6 +109,7 @@ __device__ __forceinline__ void wgmma_gemm(float (&d)[N / 2], uint64_t desc_a, u
 #undef RLK_GW_REGS80
 #undef RLK_GW_R8
 #undef RLK_GW_NARROW
+#undef RLK_GW_NARROW_FRESH
 #undef RLK_GW_REGS16
 #undef RLK_GW_REGS8
 #undef RLK_GW_REGS4

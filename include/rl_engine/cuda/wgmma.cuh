@@ -44,24 +44,26 @@ __device__ __forceinline__ uint64_t smem_desc_sw128_mn(uint32_t addr, uint32_t p
   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
 // d[64 x N] += a[64 x 16] . b[N x 16]^T, both in shared memory, K-major unless kTA / kTB make that
-// operand MN-major (16-bit types only; the descriptor must describe the layout it names).
-template <int N, bool kHalf, bool kTA = false, bool kTB = false>
+// operand MN-major (16-bit types only; the descriptor must describe the layout it names). kFresh:
+// d = a . b, d's old values unread (scale-d = 0), so that no instruction but the product itself
+// writes an accumulator another product may be filling (which makes ptxas serialize the pipeline).
+template <int N, bool kHalf, bool kTA = false, bool kTB = false, bool kFresh = false>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b) {
 #ifdef RLK_NO_SM90A
   __trap();
 #else
   if constexpr (N == 64 && kHalf) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" RLK_WG_OUTS32 "}, %32, %33, 1, 1, 1, %34, %35;"
-                 : RLK_WG_REGS32(d) : "l"(desc_a), "l"(desc_b), "n"(int{kTA}), "n"(int{kTB}));
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" RLK_WG_OUTS32 "}, %32, %33, %36, 1, 1, %34, %35;"
+                 : RLK_WG_REGS32(d) : "l"(desc_a), "l"(desc_b), "n"(int{kTA}), "n"(int{kTB}), "n"(int{!kFresh}));
   } else if constexpr (N == 64) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" RLK_WG_OUTS32 "}, %32, %33, 1, 1, 1, %34, %35;"
-                 : RLK_WG_REGS32(d) : "l"(desc_a), "l"(desc_b), "n"(int{kTA}), "n"(int{kTB}));
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" RLK_WG_OUTS32 "}, %32, %33, %36, 1, 1, %34, %35;"
+                 : RLK_WG_REGS32(d) : "l"(desc_a), "l"(desc_b), "n"(int{kTA}), "n"(int{kTB}), "n"(int{!kFresh}));
   } else if constexpr (N == 128 && kHalf) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RLK_WG_OUTS64 "}, %64, %65, 1, 1, 1, %66, %67;"
-                 : RLK_WG_REGS64(d) : "l"(desc_a), "l"(desc_b), "n"(int{kTA}), "n"(int{kTB}));
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RLK_WG_OUTS64 "}, %64, %65, %68, 1, 1, %66, %67;"
+                 : RLK_WG_REGS64(d) : "l"(desc_a), "l"(desc_b), "n"(int{kTA}), "n"(int{kTB}), "n"(int{!kFresh}));
   } else if constexpr (N == 128) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" RLK_WG_OUTS64 "}, %64, %65, 1, 1, 1, %66, %67;"
-                 : RLK_WG_REGS64(d) : "l"(desc_a), "l"(desc_b), "n"(int{kTA}), "n"(int{kTB}));
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" RLK_WG_OUTS64 "}, %64, %65, %68, 1, 1, %66, %67;"
+                 : RLK_WG_REGS64(d) : "l"(desc_a), "l"(desc_b), "n"(int{kTA}), "n"(int{kTB}), "n"(int{!kFresh}));
   } else {
     static_assert(N == 64 || N == 128, "wgmma_ss: N is 64 or 128");
   }
