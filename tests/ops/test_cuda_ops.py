@@ -59,11 +59,12 @@ def test_det_gemm_rows_do_not_depend_on_batch_or_position(ops, dtype):
 # 192 and 256 columns; rows that start mid-tile too. Up to N = 3072 K is split (4 ranges at N =
 # 1024, 2 from 2048): the ranges meet across CTAs at decode sizes and up to M = 256 where the tiles
 # make less than a wave (on swapped slabs and on 64- and 128-row tiles: 32 x 64 slabs and 64 x 64
-# tiles at N = 576, 128 x 64 at N = 584), and within a CTA elsewhere, on every tile that keeps a
-# second accumulator (128 rows by 32 at M = 300, by 64 at 520, by 128 and 160; 64 rows by 32, and
-# by 64 at N = 264). Not reachable here: 128 x 160 across CTAs (K of 2048 and more) and the 16-row
-# slabs unsplit (only products that keep K in one range); test_det_gemm_every_plan_gives_the_same_bits
-# runs those and every other plan directly.
+# tiles at N = 576, 128 x 64 at N = 584), and within a CTA elsewhere, on every tile the choice
+# gives a second accumulator (128 rows by 32 at M = 300; by 64 at 520 and by 128, whose ranges
+# swing between two accumulators; 64 rows by 32, and by 64 at N = 264). Not reachable here: 128 x
+# 160 across CTAs (K of 2048 and more) and within a CTA (the tile choice no longer makes it), and
+# the 16-row slabs unsplit (only products that keep K in one range);
+# test_det_gemm_every_plan_gives_the_same_bits runs those and every other plan directly.
 GEMM_TILE_NS = (264, 576, 584, 1024, 2048, 2176, 2560, 4096, 4232, 8448, 16896, 16904, 33792)
 GEMM_ROW_MS = (1, 2, 3, 4, 8, 16, 17, 32, 33, 40, 64, 65, 128, 129, 192, 256, 300, 520, 522, 1000, 1024,
                4096, 4097, 8192)
