@@ -244,10 +244,13 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
     const int kb_end = min(k_iters, end * split.blocks);
     int join = (first + 1) * split.blocks;  // where the next range starts (kTwo)
     bool swung = false;  // kSwing: this range accumulates in other
-    // One stage's products into d; kFresh: the stage starts a range in d (its first step writes d
-    // afresh).
+    // One stage's products into d, one wgmma group; kFresh: the stage starts a range in d (its
+    // first step writes d afresh). The group is committed in the same branch as its products: a
+    // commit after the branches join becomes a group of its own (an empty wgmma), and the wait for
+    // all but the latest group then waits for this stage's products.
     auto stage = [&](auto fresh, float(&d)[kBN / 2], uint32_t st) {
       constexpr bool kFresh = decltype(fresh)::value;
+      ptx::wgmma_fence();
 #pragma unroll
       for (int j = 0; j < kSubs; ++j) {
         const uint32_t a = st + j * ring.a_bytes + c * kPanelBytes;
@@ -268,13 +271,13 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
           ptx::wgmma_gemm<kBN, kHalf, kTA, kTB>(d, da, db);
         }
       }
+      ptx::wgmma_commit();
     };
     using Fresh = std::true_type;
     using Adds = std::false_type;
     for (int kb = first * split.blocks; kb < kb_end;) {
       ptx::mbar_wait(full(s), phase);
       const uint32_t st = base + s * ring.stage_bytes;
-      ptx::wgmma_fence();
       if constexpr (kSwing) {
         // A range after the first starts in other, then acc, other... (see kSwing).
         const bool starts = kb == join - split.blocks && kb != first * split.blocks;
@@ -286,7 +289,6 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
       } else {
         stage(Adds{}, acc, st);
       }
-      ptx::wgmma_commit();
       ptx::wgmma_wait<1>();  // the previous stage's products are done: free its slot
       if (held >= 0 && tid == 0) ptx::mbar_arrive(empty(held));
       held = s;
