@@ -35,6 +35,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -64,6 +65,10 @@ __host__ __device__ constexpr int gemm_max_occupancy(int consumers, int bn) {
 }
 constexpr int kGroupM = 16;  // tile order: 16 row blocks per band, for L2 reuse of B
 }  // namespace gemm_cfg
+
+// The tile whose launches may pair their CTAs (see gemm_may_pair): 128 x 128 running all of its K
+// ranges.
+__host__ __device__ constexpr bool gemm_pair_tile(int bm, int bn, bool two) { return two && bm == 128 && bn == 128; }
 
 // Shared-memory ring of one launch: each stage holds gemm_subs(bn) K blocks of A (a_rows rows each)
 // then as many of B (bn rows each), every block 1024-byte aligned as the 128-byte swizzle needs.
@@ -129,9 +134,11 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
     rlk_det_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                              const __grid_constant__ CUtensorMap map_b, int m, int n, int k,
                              const GemmRing ring, const Epi epi, bool stream_dependents,
-                             const GemmSplit split) {
+                             const GemmSplit split, bool pair) {
   using namespace gemm_cfg;
   constexpr int kConsumers = kBM > 64 ? 2 : 1;
+  // Only the tiles gemm_pair_tile names carry the paired code; the others compile as unpaired.
+  const bool paired = gemm_pair_tile(kBM, kBN, kTwo) && pair;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t base = (ptx::smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t bars = base + ring.stages * ring.stage_bytes + kSlackBytes;
@@ -143,17 +150,30 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
     ptx::prefetch_tensormap(&map_b);
     for (int s = 0; s < ring.stages; ++s) {
       ptx::mbar_init(full(s), 1);
-      ptx::mbar_init(empty(s), kConsumers);
+      ptx::mbar_init(empty(s), paired ? 2 * kConsumers : kConsumers);  // paired: both CTAs' consumers
     }
     ptx::fence_barrier_init();
   }
   __syncthreads();
+  // A peer's copies and arrivals may reach these barriers only once they are initialized.
+  if (paired) ptx::cluster_sync();
   // Everything above overlaps the previous kernel's tail; the operands may be its outputs.
   ptx::grid_dependency_wait();
 
   const int m_blocks = (m + kBM - 1) / kBM, n_blocks = (n + kBN - 1) / kBN;
   const int k_iters = (k + kBK - 1) / kBK;
-  // A work item is a tile, or a (tile, range) pair where the ranges go to separate CTAs.
+  // Paired (a cluster of two CTAs, see gemm_may_pair): a work item is two tiles side by side
+  // in one row block, one for each CTA of the pair, and each CTA loads half of their common A
+  // block into both; the second tile of a pair past N computes zeros and stores nothing.
+  const uint32_t rank = paired ? ptx::cluster_ctarank() : 0u;
+  const int n_units = paired ? (n_blocks + 1) / 2 : n_blocks;
+  const int first_item = paired ? static_cast<int>(blockIdx.x / 2) : static_cast<int>(blockIdx.x);
+  const int item_stride = paired ? static_cast<int>(gridDim.x / 2) : static_cast<int>(gridDim.x);
+  auto coords = [&](int tile, int& mb, int& nb) {
+    gemm_tile_coords(tile, m_blocks, n_units, mb, nb);
+    if (paired) nb = 2 * nb + static_cast<int>(rank);
+  };
+  // A work item is a tile (or pair), or a (tile, range) pair where the ranges go to separate CTAs.
   auto ranges = [&](int item, int& tile, int& first, int& end) {
     tile = split.across ? item / split.splits : item;
     first = split.across ? item % split.splits : 0;
@@ -167,10 +187,11 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
     if (tid != 0) return;
     int s = 0;
     uint32_t phase = 0;
-    for (int item = blockIdx.x; item < split.items; item += gridDim.x) {
+    const int half_rows = ring.a_rows / 2;
+    for (int item = first_item; item < split.items; item += item_stride) {
       const int tile = split.across ? item / split.splits : item;
       int mb, nb;
-      gemm_tile_coords(tile, m_blocks, n_blocks, mb, nb);
+      coords(tile, mb, nb);
       // One range, or all of K (ranges hold whole multiples of 4 K blocks, so a stage never
       // straddles two of them). Beside two consumers this thread has 24 registers: little state.
       for (int kb = split.across ? (item - tile * split.splits) * split.blocks : 0; kb < k_iters;) {
@@ -182,6 +203,9 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
           const uint32_t a = st + j * ring.a_bytes, b = st + b_off + j * ring.b_bytes;
           if constexpr (kTA) {  // MN-major: one 64 x 64 box a 64-row panel, K as the box's rows
             for (int p = 0; p < kBM / 64; ++p) ptx::tma_load_2d(a + p * kPanelBytes, &map_a, full(s), mb * kBM + 64 * p, k0);
+          } else if (paired) {  // this CTA's half of the pair's A rows, into both CTAs
+            ptx::tma_load_2d_multicast(a + rank * half_rows * kRowBytes, &map_a, full(s), k0,
+                                       mb * kBM + static_cast<int>(rank) * half_rows, 0x3);
           } else {
             ptx::tma_load_2d(a, &map_a, full(s), k0, mb * kBM);
           }
@@ -201,6 +225,14 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
     // (measured: dependents placed early on the SMs a part wave leaves idle slowed the next GEMM at
     // M = 128-256 by up to 15%).
     if (stream_dependents) ptx::launch_dependents();
+    // Paired: the peer's consumers arrive on this CTA's barriers until they have released every
+    // stage, so the CTA stays until then.
+    if (paired) {
+      for (int i = 0; i < ring.stages; ++i) {
+        ptx::mbar_wait(empty(s), phase ^ 1u);
+        if (++s == ring.stages) s = 0, phase ^= 1u;
+      }
+    }
     return;
   }
 
@@ -211,10 +243,16 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
   float sum[kTwo ? kBN / 2 : 1];
   int s = 0;
   uint32_t phase = 0;
-  for (int item = blockIdx.x; item < split.items; item += gridDim.x) {
+  // A consumed stage is free once both consumers (of both CTAs, paired) have released it.
+  auto release = [&](int stage) {
+    if (tid != 0) return;
+    ptx::mbar_arrive(empty(stage));
+    if (paired) ptx::mbar_arrive_cluster(empty(stage), rank ^ 1u);
+  };
+  for (int item = first_item; item < split.items; item += item_stride) {
     int tile, first, end, mb, nb;
     ranges(item, tile, first, end);
-    gemm_tile_coords(tile, m_blocks, n_blocks, mb, nb);
+    coords(tile, mb, nb);
 #pragma unroll
     for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.f;
     int held = -1;  // the stage whose products may still be in flight
@@ -240,7 +278,7 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
       }
       ptx::wgmma_commit();
       ptx::wgmma_wait<1>();  // the previous stage's products are done: free its slot
-      if (held >= 0 && tid == 0) ptx::mbar_arrive(empty(held));
+      if (held >= 0) release(held);
       held = s;
       if (++s == ring.stages) s = 0, phase ^= 1u;
       kb += kSubs;
@@ -249,7 +287,7 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
         // and the accumulator starts again from zero. The last range joins after the loop.
         if (kb == join && kb < kb_end) {
           ptx::wgmma_wait<0>();
-          if (tid == 0) ptx::mbar_arrive(empty(held));
+          release(held);
           held = -1;
 #pragma unroll
           for (int i = 0; i < kBN / 2; ++i) {
@@ -262,7 +300,7 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
       }
     }
     ptx::wgmma_wait<0>();
-    if (held >= 0 && tid == 0) ptx::mbar_arrive(empty(held));
+    if (held >= 0) release(held);
 #pragma unroll
     for (int i = 0; i < kBN / 2; ++i) ptx::reg_fence(acc[i]);
     if constexpr (kTwo) {
@@ -272,6 +310,7 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
       }
     }
     const int row_end = (mb + 1) * kBM < m ? (mb + 1) * kBM : m;
+    if (nb >= n_blocks) continue;  // the empty half of a pair
     if (split.across) {
       epilogue_for_split(epi, first)(acc, mb * kBM + c * 64, nb * kBN, row_end, n);
     } else {
@@ -901,50 +940,120 @@ inline bool is_det_gemm_plan_option(int m, int n, int k, const GemmPlan& plan) {
 
 // The configuration of a launch with programmatic stream serialization (see the top of this file).
 struct PdlLaunch {
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   cudaLaunchConfig_t cfg{};
-  // serialize false: a plain launch through the same configuration (no early start).
-  PdlLaunch(int grid, int block, int smem, cudaStream_t stream, bool serialize = true) {
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
+  // serialize false: a plain launch through the same configuration (no early start). cluster: CTAs
+  // per cluster (1: no clusters).
+  PdlLaunch(int grid, int block, int smem, cudaStream_t stream, bool serialize = true, int cluster = 1) {
     cfg.gridDim = dim3(grid);
     cfg.blockDim = dim3(block);
     cfg.dynamicSmemBytes = static_cast<size_t>(smem);
     cfg.stream = stream;
     cfg.attrs = attr;
-    cfg.numAttrs = serialize ? 1 : 0;
+    cfg.numAttrs = 0;
+    if (serialize) {
+      attr[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[cfg.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
+    }
+    if (cluster > 1) {
+      attr[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;
+      attr[cfg.numAttrs++].val.clusterDim = {static_cast<unsigned>(cluster), 1, 1};
+    }
   }
   PdlLaunch(const PdlLaunch&) = delete;  // cfg points into attr
 };
+
+// How many 2-CTA clusters of `kernel` with `smem` bytes can run at once (0 where clusters cannot
+// launch): SMs are paired within a GPC, so an odd GPC leaves one SM out. `cached` (smem << 32 |
+// pairs) keeps the runtime's answer for the last size asked of this kernel.
+template <typename Kernel>
+int gemm_active_pairs(Kernel kernel, int block, int smem, std::atomic<int64_t>& cached) {
+  const int64_t c = cached.load(std::memory_order_relaxed);
+  if (c >= 0 && static_cast<int>(c >> 32) == smem) return static_cast<int>(c & 0xffffffff);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim = {2, 1, 1};
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(2);
+  cfg.blockDim = dim3(block);
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int pairs = 0;
+  if (cudaOccupancyMaxActiveClusters(&pairs, kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    pairs = 0;
+  }
+  cached.store(static_cast<int64_t>(smem) << 32 | pairs, std::memory_order_relaxed);
+  return pairs;
+}
+
+// Whether a launch pairs its CTAs (clusters of two, each loading half of the A block both tiles
+// of a pair share, multicast into both), so that A's reads from L2 halve. Pairing never changes a
+// value (each tile's products and their order are its own), only which CTA loads what; it costs a
+// lockstep (no stage is refilled until both CTAs have released it). Measured on an H100
+// (benchmarks/results/h100/pairs_cta/): it pays only on the 128 x 128 tiles whose K ranges meet
+// within the CTA (a split K above M = 256: the KV projections at M >= 4096, 3-6% faster), the
+// widest tile that keeps two accumulators, which reads a third more from L2 per product than the
+// unsplit shapes' 128 x 256 and keeps L2 78% busy; the one-wave launches of narrow tiles at
+// M = 64-256 were 6% slower paired. Three conditions:
+// - gemm_pair_tile: that tile;
+// - gemm_may_pair: a K-major A whose block splits into halves of whole 8-row swizzle atoms, K not
+//   split across CTAs, at least two column blocks;
+// - gemm_pairs_fit: the pairs that fit at once (`active_pairs`, fewer than half the CTA slots
+//   where an odd GPC leaves an SM out) run the launch in no more waves than it takes unpaired.
+inline bool gemm_may_pair(bool a_mn_major, bool across, int a_rows, int n_blocks) {
+  return !a_mn_major && !across && a_rows % 16 == 0 && n_blocks >= 2;
+}
+inline bool gemm_pairs_fit(int m_blocks, int n_blocks, int64_t slots, int active_pairs) {
+  if (active_pairs <= 0) return false;
+  const int64_t tiles = static_cast<int64_t>(m_blocks) * n_blocks;
+  const int64_t units = static_cast<int64_t>(m_blocks) * ((n_blocks + 1) / 2);
+  return (units + active_pairs - 1) / active_pairs <= (tiles + slots - 1) / slots;
+}
 
 template <int kBM, int kBN, int kSubs, bool kTA, bool kTB, bool kTwo, typename Epi>
 cudaError_t launch_det_gemm_grid(const GemmOperands& op, const Epi& epi, const GemmSplit& split,
                                  int num_sms, bool stream_dependents, cudaStream_t stream) {
   using namespace gemm_cfg;
   if (op.m <= 0 || op.n <= 0) return cudaSuccess;
-  const int64_t tiles = static_cast<int64_t>((op.m + kBM - 1) / kBM) * ((op.n + kBN - 1) / kBN);
+  const int m_blocks = (op.m + kBM - 1) / kBM, n_blocks = (op.n + kBN - 1) / kBN;
+  const int64_t tiles = static_cast<int64_t>(m_blocks) * n_blocks;
   const int64_t items = split.across ? tiles * split.splits : tiles;
   // An MN-major A always takes whole 64-row panels (zero-filled past m).
   const GemmRing ring = gemm_ring(kBM, kBN, kSubs, kTA && op.m < kBM ? kBM : op.m, items, num_sms);
+  auto kernel = op.dtype == DType::kF16 ? rlk_det_gemm_sm90_kernel<kBM, kBN, kSubs, true, kTA, kTB, kTwo, Epi>
+                                        : rlk_det_gemm_sm90_kernel<kBM, kBN, kSubs, false, kTA, kTB, kTwo, Epi>;
+  const int smem = ring.stages * static_cast<int>(ring.stage_bytes) + kOverhead;
+  const int block = kBM > 64 ? 384 : 256;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return e;
+  const int64_t slots = static_cast<int64_t>(ring.occupancy) * num_sms;
+  static std::atomic<int64_t> pairs_cache{-1};  // one per tile and layout (both 16-bit types alike)
+  const bool paired = gemm_pair_tile(kBM, kBN, kTwo) && gemm_may_pair(kTA, split.across, ring.a_rows, n_blocks) &&
+                      gemm_pairs_fit(m_blocks, n_blocks, slots, gemm_active_pairs(kernel, block, smem, pairs_cache));
   CUtensorMap map_a, map_b;
-  cudaError_t e = kTA ? encode_tma_2d(&map_a, op.a, op.dtype, op.k, op.m, op.lda, kBK)
-                      : encode_tma_2d(&map_a, op.a, op.dtype, op.m, op.k, op.lda, ring.a_rows);
+  e = kTA ? encode_tma_2d(&map_a, op.a, op.dtype, op.k, op.m, op.lda, kBK)
+          : encode_tma_2d(&map_a, op.a, op.dtype, op.m, op.k, op.lda, paired ? ring.a_rows / 2 : ring.a_rows);
   if (e == cudaSuccess) {
     e = kTB ? encode_tma_2d(&map_b, op.b, op.dtype, op.k, op.n, op.ldb, kBK)
             : encode_tma_2d(&map_b, op.b, op.dtype, op.n, op.k, op.ldb, kBN);
   }
   if (e != cudaSuccess) return e;
-  auto kernel = op.dtype == DType::kF16 ? rlk_det_gemm_sm90_kernel<kBM, kBN, kSubs, true, kTA, kTB, kTwo, Epi>
-                                        : rlk_det_gemm_sm90_kernel<kBM, kBN, kSubs, false, kTA, kTB, kTwo, Epi>;
-  const int smem = ring.stages * static_cast<int>(ring.stage_bytes) + kOverhead;
-  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e != cudaSuccess) return e;
-  const int grid = items < ring.occupancy * num_sms ? static_cast<int>(items) : ring.occupancy * num_sms;
   GemmSplit work = split;
-  work.items = static_cast<int>(items);
-  PdlLaunch launch(grid, kBM > 64 ? 384 : 256, smem, stream);
+  int grid;
+  if (paired) {
+    const int64_t units = static_cast<int64_t>(m_blocks) * ((n_blocks + 1) / 2);
+    const int pairs = gemm_active_pairs(kernel, block, smem, pairs_cache);
+    work.items = static_cast<int>(units);
+    grid = 2 * static_cast<int>(units < pairs ? units : pairs);
+  } else {
+    work.items = static_cast<int>(items);
+    grid = items < slots ? static_cast<int>(items) : static_cast<int>(slots);
+  }
+  PdlLaunch launch(grid, block, smem, stream, true, paired ? 2 : 1);
   return cudaLaunchKernelEx(&launch.cfg, kernel, map_a, map_b, op.m, op.n, op.k, ring, epi,
-                            stream_dependents, work);
+                            stream_dependents, work, paired);
 }
 
 template <typename Epi, typename = void>
