@@ -125,3 +125,36 @@ def test_picks_measured_on_a_sweep(tmp_path):
         "1152 1024 4096 128x128", "1024 1024 4096 128x64", "300 6144 2560 64x128",
         "8 6144 4096 16x8 swapped", "16 6144 2560 16x16 swapped", "32 6144 4096 32x32 swapped",
         "8 4096 4096 32x8 swapped", "8 12288 4096 32x8 swapped", "8 1024 4096 32x8 swapped across"], out
+
+
+PAIRS = r"""
+#include <cstdio>
+#include "rl_engine/cuda/det_gemm.cuh"
+using namespace rl_engine::cuda;
+
+int main() {
+  // m n: whether a 128 x 128 two-sum launch at 132 SMs (one CTA an SM) pairs with 66 pairs at once,
+  // and with none (a card or build where clusters cannot launch).
+  const int cases[][2] = {{8192, 1024}, {4096, 1024}, {4097, 1024}, {2304, 1024}, {2048, 1024},
+                          {1152, 1024}, {1000, 2592}, {640, 1024}};
+  for (const auto& c : cases) {
+    const int mb = (c[0] + 127) / 128, nb = (c[1] + 127) / 128;
+    std::printf("%d %d %d %d\n", c[0], c[1], gemm_pairs_fit(mb, nb, 132, 66), gemm_pairs_fit(mb, nb, 132, 0));
+  }
+  std::printf("%d %d %d\n", gemm_pair_tile(128, 128, true), gemm_pair_tile(128, 128, false), gemm_pair_tile(128, 160, true));
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(NVCC is None, reason="needs nvcc (the program is host code, but the header is CUDA)")
+def test_pairs_only_where_measured(tmp_path):
+    """CTA pairs run only on the 128 x 128 tile whose K ranges meet within the CTA, and only where
+    it takes more than one wave unpaired: the launches benchmarks/results/h100/ddcfeb2/ timed
+    faster (the KV projections at M >= 4096); one-wave launches (M <= 2048 at N = 1024) stay
+    unpaired, as pairs_cta/ found them slower elsewhere, and so does every launch where no cluster
+    fits. M = 2304 makes 144 tiles, two waves of 132, and 72 pairs, two waves of 66: paired."""
+    out = build_and_run(tmp_path, "pairs", PAIRS)
+    assert out.splitlines() == [
+        "8192 1024 1 0", "4096 1024 1 0", "4097 1024 1 0", "2304 1024 1 0", "2048 1024 0 0",
+        "1152 1024 0 0", "1000 2592 1 0", "640 1024 0 0", "1 0 0"], out

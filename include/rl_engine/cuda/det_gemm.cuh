@@ -137,7 +137,8 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
                              const GemmSplit split, bool pair) {
   using namespace gemm_cfg;
   constexpr int kConsumers = kBM > 64 ? 2 : 1;
-  // Only the tiles gemm_pair_tile names carry the paired code; the others compile as unpaired.
+  // Only the tiles gemm_pair_tile names carry the paired code; the others compile as unpaired but
+  // for the check that skips the empty half of a pair past N.
   const bool paired = gemm_pair_tile(kBM, kBN, kTwo) && pair;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t base = (ptx::smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -225,8 +226,10 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
     // (measured: dependents placed early on the SMs a part wave leaves idle slowed the next GEMM at
     // M = 128-256 by up to 15%).
     if (stream_dependents) ptx::launch_dependents();
-    // Paired: the peer's consumers arrive on this CTA's barriers until they have released every
-    // stage, so the CTA stays until then.
+    // Paired: the peer's consumers arrive on this CTA's empty barriers, and its producer copies into
+    // this CTA's stages, until the last round; the CTA stays until every slot's last round is
+    // released by all four consumers (one wait a slot covers it: no copy into a slot is issued
+    // before that slot's previous round is released).
     if (paired) {
       for (int i = 0; i < ring.stages; ++i) {
         ptx::mbar_wait(empty(s), phase ^ 1u);
@@ -963,13 +966,20 @@ struct PdlLaunch {
   PdlLaunch(const PdlLaunch&) = delete;  // cfg points into attr
 };
 
-// How many 2-CTA clusters of `kernel` with `smem` bytes can run at once (0 where clusters cannot
-// launch): SMs are paired within a GPC, so an odd GPC leaves one SM out. `cached` (smem << 32 |
-// pairs) keeps the runtime's answer for the last size asked of this kernel.
+// How many 2-CTA clusters of `kernel` with `smem` bytes can run at once on the current device (0
+// where clusters cannot launch): SMs are paired within a GPC, so an odd GPC leaves one SM out.
+// `cached` (device << 56 | smem << 32 | pairs) keeps the runtime's answer for the last device and
+// size asked of this kernel (GPUs of one process may be cut down differently).
 template <typename Kernel>
 int gemm_active_pairs(Kernel kernel, int block, int smem, std::atomic<int64_t>& cached) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device > 126) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  const int64_t key = static_cast<int64_t>(device) << 24 | smem;  // smem < 2^24
   const int64_t c = cached.load(std::memory_order_relaxed);
-  if (c >= 0 && static_cast<int>(c >> 32) == smem) return static_cast<int>(c & 0xffffffff);
+  if (c >= 0 && (c >> 32) == key) return static_cast<int>(c & 0xffffffff);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim = {2, 1, 1};
@@ -984,30 +994,34 @@ int gemm_active_pairs(Kernel kernel, int block, int smem, std::atomic<int64_t>& 
     (void)cudaGetLastError();
     pairs = 0;
   }
-  cached.store(static_cast<int64_t>(smem) << 32 | pairs, std::memory_order_relaxed);
+  cached.store(key << 32 | pairs, std::memory_order_relaxed);
   return pairs;
 }
 
 // Whether a launch pairs its CTAs (clusters of two, each loading half of the A block both tiles
 // of a pair share, multicast into both), so that A's reads from L2 halve. Pairing never changes a
 // value (each tile's products and their order are its own), only which CTA loads what; it costs a
-// lockstep (no stage is refilled until both CTAs have released it). Measured on an H100
-// (benchmarks/results/h100/pairs_cta/): it pays only on the 128 x 128 tiles whose K ranges meet
-// within the CTA (a split K above M = 256: the KV projections at M >= 4096, 3-6% faster), the
-// widest tile that keeps two accumulators, which reads a third more from L2 per product than the
-// unsplit shapes' 128 x 256 and keeps L2 78% busy; the one-wave launches of narrow tiles at
-// M = 64-256 were 6% slower paired. Three conditions:
+// lockstep (no stage is refilled until both CTAs have released it). Measured on an H100: paired
+// everywhere (benchmarks/results/h100/pairs_cta/), the one-wave launches at M = 64-256 were 0.91
+// of their unpaired speed and only the many-wave launches of the 128 x 128 tile whose K ranges meet
+// within the CTA gained (Qwen3-8B's KV projection at M >= 4096, 5-6%; 4B's, 1-3%). At N = 1024
+// that is the two-sum tile picked (no column left empty); it reads a third more from L2 per
+// product than the 128 x 256 tile of the unsplit shapes and keeps L2 78% busy. Paired there alone
+// (benchmarks/results/h100/ddcfeb2/): those rows 2-4% faster, L2 78% -> 65%. Four conditions:
 // - gemm_pair_tile: that tile;
 // - gemm_may_pair: a K-major A whose block splits into halves of whole 8-row swizzle atoms, K not
 //   split across CTAs, at least two column blocks;
-// - gemm_pairs_fit: the pairs that fit at once (`active_pairs`, fewer than half the CTA slots
-//   where an odd GPC leaves an SM out) run the launch in no more waves than it takes unpaired.
+// - gemm_pairs_fit: the launch takes more than one wave unpaired (one-wave launches of this tile
+//   were never timed paired, and those of others lost), and the pairs that fit at once
+//   (`active_pairs`, fewer than half the CTA slots where an odd GPC leaves an SM out) run it in no
+//   more waves than that.
 inline bool gemm_may_pair(bool a_mn_major, bool across, int a_rows, int n_blocks) {
   return !a_mn_major && !across && a_rows % 16 == 0 && n_blocks >= 2;
 }
 inline bool gemm_pairs_fit(int m_blocks, int n_blocks, int64_t slots, int active_pairs) {
   if (active_pairs <= 0) return false;
   const int64_t tiles = static_cast<int64_t>(m_blocks) * n_blocks;
+  if (tiles <= slots) return false;
   const int64_t units = static_cast<int64_t>(m_blocks) * ((n_blocks + 1) / 2);
   return (units + active_pairs - 1) / active_pairs <= (tiles + slots - 1) / slots;
 }

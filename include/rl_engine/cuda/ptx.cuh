@@ -94,8 +94,10 @@ __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtens
 }
 
 // Arrives on the mbarrier at offset bar of CTA `rank` of this cluster. The release is of CTA scope
-// (the default): what it orders is this CTA's reads of a stage before the peer's copy overwrites
-// it, and a release of cluster scope on every stage made an earlier cluster version 2-3.5x slower.
+// (the default), as CUTLASS's cluster barrier arrives: the arrive only frees a stage this CTA has
+// finished reading (its wgmma reads are complete before it), so no data flows to the peer and only
+// the read-before-overwrite order matters; a release of cluster scope on every stage made an
+// earlier cluster version 2-3.5x slower.
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
   asm volatile(
       "{\n\t.reg .b32 remote;\n\t"
