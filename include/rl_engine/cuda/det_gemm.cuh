@@ -1044,8 +1044,9 @@ cudaError_t launch_det_gemm_grid(const GemmOperands& op, const Epi& epi, const G
   if (e != cudaSuccess) return e;
   const int64_t slots = static_cast<int64_t>(ring.occupancy) * num_sms;
   static std::atomic<int64_t> pairs_cache{-1};  // one per tile and layout (both 16-bit types alike)
-  const bool paired = gemm_pair_tile(kBM, kBN, kTwo) && gemm_may_pair(kTA, split.across, ring.a_rows, n_blocks) &&
-                      gemm_pairs_fit(m_blocks, n_blocks, slots, gemm_active_pairs(kernel, block, smem, pairs_cache));
+  const bool may_pair = gemm_pair_tile(kBM, kBN, kTwo) && gemm_may_pair(kTA, split.across, ring.a_rows, n_blocks);
+  const int pairs = may_pair ? gemm_active_pairs(kernel, block, smem, pairs_cache) : 0;
+  const bool paired = may_pair && gemm_pairs_fit(m_blocks, n_blocks, slots, pairs);
   CUtensorMap map_a, map_b;
   e = kTA ? encode_tma_2d(&map_a, op.a, op.dtype, op.k, op.m, op.lda, kBK)
           : encode_tma_2d(&map_a, op.a, op.dtype, op.m, op.k, op.lda, paired ? ring.a_rows / 2 : ring.a_rows);
@@ -1058,7 +1059,6 @@ cudaError_t launch_det_gemm_grid(const GemmOperands& op, const Epi& epi, const G
   int grid;
   if (paired) {
     const int64_t units = static_cast<int64_t>(m_blocks) * ((n_blocks + 1) / 2);
-    const int pairs = gemm_active_pairs(kernel, block, smem, pairs_cache);
     work.items = static_cast<int>(units);
     grid = 2 * static_cast<int>(units < pairs ? units : pairs);
   } else {
