@@ -245,7 +245,9 @@ __global__ void __launch_bounds__(WgDkv<D, H>::kThreads, 1)
 
   const int key0 = kstart + wkey + (lane >> 2);  // the thread's keys in its fragments: key0, key0 + 8
   ptx::mbar_wait(kv_bar, 0);
-  const uint32_t k_rows = ks + c * 64 * 128, v_rows = vs + c * 64 * 128;
+  // K and V stay in shared memory: in registers they would spill (the kernel holds 254-255).
+  const OperandA<D, false> ka(ks + c * 64 * 128, kDkvKeys * 128, warp, lane),
+      va(vs + c * 64 * 128, kDkvKeys * 128, warp, lane);
   for (int it = 0;; ++it) {
     if (producer) produce();  // step it + kStages - 1
     const int s = it % C::kStages;
@@ -275,7 +277,7 @@ __global__ void __launch_bounds__(WgDkv<D, H>::kThreads, 1)
     auto step = [&](auto masked) {
       // sc, dp: S^T and dP^T, rows the warp's keys, columns the step's (head, query row) pairs.
       float sc[kCols / 8][4], dp[kCols / 8][4];
-      two_kmajor_products<kCols, D, kHalf>(sc, k_rows, qs, dp, v_rows, ds, kDkvKeys * 128, kCols * 128);
+      two_kmajor_products<kCols, D, kHalf>(sc, ka, qs, dp, va, ds, kCols * 128);
       // P^T and dS^T = P^T (dP^T - delta) in place, zero where a row does not see the key; what
       // depends on the column is read once for the thread's two keys.
 #pragma unroll

@@ -20,6 +20,9 @@ struct WgDq {
   static constexpr int kStages = 2 * kRowTile + 3 * 2 * kKeyTile <= 200 * 1024 ? 3 : 2;
   static constexpr int kSmemBytes = 1024 + 2 * kRowTile + kStages * 2 * kKeyTile + RingBarriers<kStages>::kBytes;
   static constexpr int kThreads = 2 * 128;
+  // Whether each warp holds its Q and dO rows in registers for S and dP (OperandA): 32 registers at
+  // head_dim 64; at 128 the kernel already holds 230.
+  static constexpr bool kRowsInRegs = D == 64;
   static_assert(kDqRows == 128 && kDqRows == kFwdRows, "two warpgroups of 64 rows, a QueryTile");
 };
 
@@ -92,7 +95,8 @@ __global__ void __launch_bounds__(WgDq<D>::kThreads, 1)
 #pragma unroll
   for (int d = 0; d < D / 8; ++d) acc[d][0] = acc[d][1] = acc[d][2] = acc[d][3] = 0.f;
   ptx::mbar_wait(q_bar, 0);
-  const uint32_t q_rows = qs + c * 64 * 128, do_rows = ds + c * 64 * 128;
+  const OperandA<D, C::kRowsInRegs> qa(qs + c * 64 * 128, kDqRows * 128, warp, lane),
+      da(ds + c * 64 * 128, kDqRows * 128, warp, lane);
 
   for (int j = 0; j < nblocks; ++j) {
     if (producer) produce();  // block j + kStages - 1
@@ -108,7 +112,7 @@ __global__ void __launch_bounds__(WgDq<D>::kThreads, 1)
         ptx::named_bar_sync(1 + c, 128);
       }
       float sc[BN / 8][4], dp[BN / 8][4];
-      two_kmajor_products<BN, D, kHalf>(sc, q_rows, kt, dp, do_rows, vt, kDqRows * 128, BN * 128);
+      two_kmajor_products<BN, D, kHalf>(sc, qa, kt, dp, da, vt, BN * 128);
 #pragma unroll
       for (int n = 0; n < BN / 8; ++n) {
 #pragma unroll

@@ -77,22 +77,49 @@ __device__ __forceinline__ void fence_a(uint32_t (&a)[KT][4]) {
     for (int i = 0; i < 4; ++i) ptx::reg_fence(a[k][i]);
 }
 
-// Issues k16 step kk of acc[64 x N] += A . B^T, A and B K-major tiles of 64-column panels
-// (a_panel and b_panel bytes apart) in shared memory.
-template <int N, bool kHalf>
-__device__ __forceinline__ void kmajor_step(float (&acc)[N / 8][4], uint32_t a, uint32_t a_panel, uint32_t b,
-                                            uint32_t b_panel, int kk) {
-  const int pn = kk / 4, off = (kk % 4) * 32;  // 64-column panel, 32 bytes per k16 step
-  ptx::wgmma_ss<N, kHalf>(reinterpret_cast<float(&)[N / 2]>(acc), ptx::smem_desc_sw128(a + pn * a_panel + off),
-                          ptx::smem_desc_sw128(b + pn * b_panel + off));
-}
+// The A operand of a warpgroup's K-major products: its 64 rows of a tile of 64-column panels with
+// 128-byte swizzle (`panel` bytes apart) in shared memory, D columns. Where kRegs, each warp loads its
+// 16 rows once as m16n8k16 A fragments and the products read only B from shared memory: an
+// m64n64k16 product with both operands there reads 4 KB in the 32 clocks it takes, the SM's whole
+// shared-memory bandwidth. The same products in the same order either way.
+template <int D, bool kRegs>
+struct OperandA {
+  uint32_t tile, panel;
+  uint32_t frag[kRegs ? D / 16 : 1][4];
+  // rows: the warpgroup's first row in a 1024-byte aligned tile (the swizzle repeats every 8 rows).
+  __device__ __forceinline__ OperandA(uint32_t rows, uint32_t panel_bytes, int warp, int lane)
+      : tile(rows), panel(panel_bytes) {
+    if constexpr (kRegs) {
+      // ldmatrix x4: lanes 0-15 give rows 0-15 at k 0-7 of the step, lanes 16-31 the same rows at
+      // k 8-15, so the four matrices land as A fragment registers 0-3.
+      const int r = warp * 16 + (lane & 15);
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const int chunk = (kk % 4) * 2 + (lane >> 4);  // 16-byte chunk within the 128-byte row
+        ldsm_x4(frag[kk], rows + (kk / 4) * panel_bytes + r * 128 + ((chunk ^ (r & 7)) << 4));
+      }
+    }
+  }
+  // Issues k16 step kk of acc[64 x N] += A . B^T, B a K-major tile of 64-column panels (b_panel
+  // bytes apart) in shared memory.
+  template <int N, bool kHalf>
+  __device__ __forceinline__ void step(float (&acc)[N / 8][4], uint32_t b, uint32_t b_panel, int kk) const {
+    const int pn = kk / 4, off = (kk % 4) * 32;  // 64-column panel, 32 bytes per k16 step
+    auto& d = reinterpret_cast<float(&)[N / 2]>(acc);
+    if constexpr (kRegs)
+      ptx::wgmma_rs<N, kHalf, false>(d, frag[kk], ptx::smem_desc_sw128(b + pn * b_panel + off));
+    else
+      ptx::wgmma_ss<N, kHalf>(d, ptx::smem_desc_sw128(tile + pn * panel + off),
+                              ptx::smem_desc_sw128(b + pn * b_panel + off));
+  }
+};
 
-// x = XA . XB^T and y = YA . YB^T from zero, issued together and waited for once (the A tiles
-// a_panel, the B tiles b_panel bytes between panels); D / 16 k16 steps.
-template <int N, int D, bool kHalf>
-__device__ __forceinline__ void two_kmajor_products(float (&x)[N / 8][4], uint32_t xa, uint32_t xb,
-                                                    float (&y)[N / 8][4], uint32_t ya, uint32_t yb,
-                                                    uint32_t a_panel, uint32_t b_panel) {
+// x = XA . XB^T and y = YA . YB^T from zero, issued together and waited for once (the B tiles
+// b_panel bytes between panels); D / 16 k16 steps.
+template <int N, int D, bool kHalf, bool kRegs>
+__device__ __forceinline__ void two_kmajor_products(float (&x)[N / 8][4], const OperandA<D, kRegs>& xa, uint32_t xb,
+                                                    float (&y)[N / 8][4], const OperandA<D, kRegs>& ya, uint32_t yb,
+                                                    uint32_t b_panel) {
   zero_tiles(x);
   zero_tiles(y);
   // The zeros are written before the fence: left to itself the compiler may sink them past it,
@@ -102,8 +129,8 @@ __device__ __forceinline__ void two_kmajor_products(float (&x)[N / 8][4], uint32
   ptx::wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
-    kmajor_step<N, kHalf>(x, xa, a_panel, xb, b_panel, kk);
-    kmajor_step<N, kHalf>(y, ya, a_panel, yb, b_panel, kk);
+    xa.template step<N, kHalf>(x, xb, b_panel, kk);
+    ya.template step<N, kHalf>(y, yb, b_panel, kk);
   }
   ptx::wgmma_commit();
   ptx::wgmma_wait<0>();
@@ -221,7 +248,9 @@ __global__ void __launch_bounds__(WgFwd<D, BN>::kThreads, 1)
   RowState<D / 8> st[1];
   st[0].init();
   ptx::mbar_wait(q_bar, 0);
-  const uint32_t q_rows = qs + c * 64 * 128;
+  // Q stays in shared memory: in registers (OperandA) the forward at head_dim 64, blocks of 64, got
+  // 1.5% slower on an H100, and beside head_dim 128's output or a block of 128's P they spill.
+  const OperandA<D, false> qa(qs + c * 64 * 128, kFwdRows * 128, warp, lane);
 
   // A block's P . V is issued together with the next block's scores, so it runs on the tensor
   // cores while this warpgroup exponentiates that next block (the output's rescale by the next
@@ -245,7 +274,7 @@ __global__ void __launch_bounds__(WgFwd<D, BN>::kThreads, 1)
     zero_tiles(sc);
     ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) kmajor_step<BN, kHalf>(sc, q_rows, kFwdRows * 128, k_tile(s), BN * 128, kk);
+    for (int kk = 0; kk < D / 16; ++kk) qa.template step<BN, kHalf>(sc, k_tile(s), BN * 128, kk);
     ptx::wgmma_commit();
   };
   // The two warpgroups take turns to issue their products (named barriers 3 and 4, warpgroup 0
@@ -352,7 +381,7 @@ __global__ void __launch_bounds__(WgFwd<D, BN>::kThreads, 1)
         zero_tiles(sc);
         ptx::wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) kmajor_step<BN, kHalf>(sc, q_rows, kFwdRows * 128, kt, BN * 128, kk);
+        for (int kk = 0; kk < D / 16; ++kk) qa.template step<BN, kHalf>(sc, kt, BN * 128, kk);
         ptx::wgmma_commit();
         ptx::wgmma_wait<0>();
         fence_tiles(sc);

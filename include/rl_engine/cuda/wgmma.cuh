@@ -1,8 +1,8 @@
 // wgmma shapes of the Hopper attention (sm_90a): m64nNk16 with N = 64 or 128, bf16/fp16 operands and
 // fp32 accumulators in the m64nN fragment layout (warp w of the warpgroup holds rows 16w..16w+15 in
 // the layout of an m16n8k16 C fragment per n8 tile). Two forms: both operands in shared memory
-// (K-major), and A from registers (the m16n8k16 A fragment layout per warp) with B in shared memory
-// N-major. Every call accumulates (scale-d = 1): a zeroed accumulator is zeroed by the caller, as the
+// (K-major), and A from registers (the m16n8k16 A fragment layout per warp) with B in shared memory.
+// Every call accumulates (scale-d = 1): a zeroed accumulator is zeroed by the caller, as the
 // mma.sync kernels do, so both give a row the same sequence of operations.
 #pragma once
 
@@ -68,24 +68,25 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uin
 #endif
 }
 
-// d[64 x N] += a[64 x 16] . b[16 x N], a in registers, b N-major in shared memory.
-template <int N, bool kHalf>
+// d[64 x N] += a[64 x 16] . b[16 x N], a in registers, b in shared memory N-major, or K-major
+// where kTB is false.
+template <int N, bool kHalf, bool kTB = true>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b) {
 #ifdef RLK_NO_SM90A
   __trap();
 #else
   if constexpr (N == 64 && kHalf) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" RLK_WG_OUTS32 "}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;"
-                 : RLK_WG_REGS32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" RLK_WG_OUTS32 "}, {%32, %33, %34, %35}, %36, 1, 1, 1, %37;"
+                 : RLK_WG_REGS32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(int{kTB}));
   } else if constexpr (N == 64) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" RLK_WG_OUTS32 "}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;"
-                 : RLK_WG_REGS32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" RLK_WG_OUTS32 "}, {%32, %33, %34, %35}, %36, 1, 1, 1, %37;"
+                 : RLK_WG_REGS32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(int{kTB}));
   } else if constexpr (N == 128 && kHalf) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RLK_WG_OUTS64 "}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;"
-                 : RLK_WG_REGS64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RLK_WG_OUTS64 "}, {%64, %65, %66, %67}, %68, 1, 1, 1, %69;"
+                 : RLK_WG_REGS64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(int{kTB}));
   } else if constexpr (N == 128) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" RLK_WG_OUTS64 "}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;"
-                 : RLK_WG_REGS64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" RLK_WG_OUTS64 "}, {%64, %65, %66, %67}, %68, 1, 1, 1, %69;"
+                 : RLK_WG_REGS64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(int{kTB}));
   } else {
     static_assert(N == 64 || N == 128, "wgmma_rs: N is 64 or 128");
   }
