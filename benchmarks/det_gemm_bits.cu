@@ -41,19 +41,22 @@ int main(int argc, char** argv) {
     const GemmOperands op{a, k, b, k, m, n, k, DType::kBF16};
     const GemmPlan plan = plan_det_gemm(m, n, k, sms, true);
     if (plan.scratch_floats) cudaMalloc(&scratch, plan.scratch_floats * 4);
+    unsigned* counters = nullptr;  // zeroed once, zero again after each launch (RangeSums)
+    if (const int64_t nc = det_gemm_counters(plan, m, n)) cudaMalloc(&counters, nc * 4), cudaMemset(counters, 0, nc * 4);
     const bool with_bias = m % 2 == 0;
     cudaMemset(c, 0xff, size_t(m) * n * 2);
     const StoreEpilogue<__nv_bfloat16> store{c, n, with_bias ? bias : nullptr, false, true, true, 0};
-    cudaError_t le = launch_det_gemm_planned(op, store, plan, scratch, sms, 0);
+    cudaError_t le = launch_det_gemm_planned(op, store, plan, scratch, counters, sms, 0);
     cudaDeviceSynchronize();
     std::vector<uint16_t> h(size_t(m) * n);
     cudaMemcpy(h.data(), c, h.size() * 2, cudaMemcpyDeviceToHost);
     fwrite(h.data(), 2, h.size(), f);
-    const float us = median_us([&] { launch_det_gemm_planned(op, store, plan, scratch, sms, 0); }, 25, 0);
+    const float us = median_us([&] { launch_det_gemm_planned(op, store, plan, scratch, counters, sms, 0); }, 25, 0);
     printf("m=%5d n=%5d k=%5d tile %dx%d%s splits %d%s  %8.1f us  launch=%s err=%s\n", m, n, k, plan.tile.bm, plan.tile.bn,
            plan.tile.swap ? " swapped" : "", plan.split.splits, plan.split.across ? " across" : "", us,
            cudaGetErrorString(le), cudaGetErrorString(cudaGetLastError()));
     cudaFree(a), cudaFree(b), cudaFree(c), cudaFree(bias); if (scratch) cudaFree(scratch);
+    if (counters) cudaFree(counters);
   }
   fclose(f);
 }

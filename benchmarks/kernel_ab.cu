@@ -14,6 +14,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "rl_engine/cuda/attention_params.h"
@@ -186,7 +188,18 @@ void decode(int d, int block, bool contiguous = false, int batch = 64) {
 }
 
 #ifndef KERNEL_AB_NO_GEMM
+// Whether the tree's launch_det_gemm_planned takes RangeSums' counters (its sides may be built from
+// trees before and after they came).
+template <typename Op, typename = void>
+struct TakesCounters : std::false_type {};
+template <typename Op>
+struct TakesCounters<Op, std::void_t<decltype(rl_engine::cuda::launch_det_gemm_planned(
+                             std::declval<const Op&>(), rl_engine::cuda::StoreEpilogue<__nv_bfloat16>{},
+                             rl_engine::cuda::GemmPlan{}, static_cast<float*>(nullptr),
+                             static_cast<unsigned*>(nullptr), 0, cudaStream_t{}))>> : std::true_type {};
+
 // det_gemm as planned for (m, n, k) into bf16, split K where the plan splits it.
+template <typename Op = rl_engine::cuda::GemmOperands>
 void gemm(const char* name, int m, int n, int k, int sms) {
   const void* a = random_bf16(size_t(m) * k, 1.f);
   const void* w = random_bf16(size_t(n) * k, 0.05f);
@@ -194,9 +207,17 @@ void gemm(const char* name, int m, int n, int k, int sms) {
   using namespace rl_engine::cuda;
   const GemmPlan plan = plan_det_gemm(m, n, k, sms, true);
   float* scratch = plan.scratch_floats > 0 ? zeros<float>(plan.scratch_floats) : nullptr;
-  const GemmOperands op{a, k, w, k, m, n, k, DType::kBF16};
+  const Op op{a, k, w, k, m, n, k, DType::kBF16};
   const StoreEpilogue<__nv_bfloat16> epi{out, n, nullptr, false, n % 2 == 0, n % 8 == 0, 0};
-  auto run = [&] { check(launch_det_gemm_planned(op, epi, plan, scratch, sms, 0), "det_gemm"); };
+  auto run = [&] {
+    if constexpr (TakesCounters<Op>::value) {
+      static unsigned* counters = zeros<unsigned>(1 << 16);  // zero again after each launch
+      if (det_gemm_counters(plan, m, n) > (1 << 16)) check(cudaErrorInvalidValue, "det_gemm counters");
+      check(launch_det_gemm_planned(op, epi, plan, scratch, counters, sms, 0), "det_gemm");
+    } else {
+      check(launch_det_gemm_planned(op, epi, plan, scratch, sms, 0), "det_gemm");
+    }
+  };
   const float ms = median_ms(run, 50);
   std::printf("gemm %s m=%d n=%d k=%d tile=%dx%d%s splits=%d us=%.2f out=%016llx\n", name, m, n, k, plan.tile.bm,
               plan.tile.bn, plan.tile.swap ? "s" : "", plan.split.splits, ms * 1000,

@@ -7,6 +7,9 @@
 #include <torch/library.h>
 
 #include <climits>
+#include <map>
+#include <mutex>
+#include <utility>
 #include <vector>
 
 #include "cuda/det_gemm_instances.h"
@@ -15,6 +18,25 @@
 
 namespace rl_engine::cuda {
 namespace {
+
+// RangeSums' counters for a launch of `count` of them on this stream. Zeroed once, each launch
+// leaves them zero, so the launches of one stream, which run one after another, share one set; a
+// set per device and stream keeps apart launches that may overlap. Grown by doubling and never
+// freed: a launch still queued may hold an older set.
+unsigned* range_counters(int64_t count, const at::Tensor& like, cudaStream_t stream) {
+  static std::mutex mu;
+  static std::map<std::pair<int, cudaStream_t>, at::Tensor> sets;
+  static std::vector<at::Tensor> retired;
+  const std::lock_guard<std::mutex> lock(mu);
+  at::Tensor& set = sets[{like.get_device(), stream}];
+  if (!set.defined() || set.numel() < count) {
+    if (set.defined()) retired.push_back(set);
+    int64_t size = 4096;
+    while (size < count) size *= 2;
+    set = at::zeros({size}, like.options().dtype(at::kInt));
+  }
+  return reinterpret_cast<unsigned*>(set.data_ptr<int32_t>());
+}
 
 template <typename Out>
 void gemm_store(const GemmOperands& g, const GemmPlan& plan, at::Tensor& out, const float* bias,
@@ -29,7 +51,9 @@ void gemm_store(const GemmOperands& g, const GemmPlan& plan, at::Tensor& out, co
   at::Tensor scratch;
   if (plan.scratch_floats > 0) scratch = at::empty({plan.scratch_floats}, out.options().dtype(at::kFloat));
   float* sp = plan.scratch_floats > 0 ? scratch.data_ptr<float>() : nullptr;
-  check_launch(launch_det_gemm_planned(g, epi, plan, sp, sm_count(), stream), op);
+  const int64_t counters = det_gemm_counters(plan, g.m, g.n);
+  unsigned* cp = counters > 0 ? range_counters(counters, out, stream) : nullptr;
+  check_launch(launch_det_gemm_planned(g, epi, plan, sp, cp, sm_count(), stream), op);
 }
 
 // An operand [rows, k] stored as the transpose of a matrix with 16-byte aligned rows: the bulk

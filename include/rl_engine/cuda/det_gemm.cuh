@@ -549,62 +549,81 @@ struct SwapEpilogue {
   }
 };
 
-// The range sums of a split reduced across CTAs (workspace [splits][m][n] fp32), added in range
-// order, through the det_gemm epilogue: the same additions as a CTA that computes every range.
-// Where N is a multiple of 4 a thread takes four columns and loads every range's four sums (16
-// bytes each) before its first addition, so that its loads are in flight together: the sums were
-// just written and sit in L2, where a pair a thread, loaded range after range, left the kernel
-// stalled on memory (Nsight Compute at 2709630, 4B's o projection at M = 128: 5.0 us beside the
-// GEMM's 14.4, 14 cycles of memory stall per instruction issued). Measured against that kernel in
-// one command on an H100 (benchmarks/results/h100/412aae5/ab/): the split shapes' det_gemm 1.2-7.5%
-// faster at M = 16-64 (the KV projections 2.6-7.5%), 0.1-2.7% at M = 96-192, and at M = 256 two
-// of the four 1.5% slower.
-// Whether the range sums are added four columns a thread (the kernel's path and its launch's grid).
-__host__ __device__ constexpr bool combine_by_quads(int n, int splits) {
-  return n % 4 == 0 && splits <= gemm_cfg::kMaxSplits;
-}
+// A split reduced across CTAs, added up by the last of its ranges to finish: each (tile, range) CTA
+// writes its range's sum to the workspace ([splits][m][n] fp32, `sums`), and the warp that finds
+// itself the last of the ranges over its 16 rows of the tile (one counter for those rows and the
+// tile's columns) adds every range's sums in range order and stores them through the det_gemm
+// epilogue (`out`): the additions of a CTA that computes every range, with no second kernel. The
+// counters start at zero and the last warp puts its one back, so they are zero again after every
+// launch; launches that share them must not run at the same time (the caller keeps them per stream).
+// kSwap: the fragment is of a swapped tile (C transposed); sums and out are in C's frame.
+template <typename Out, bool kSwap = false>
+struct RangeSums {
+  static constexpr bool kAnyWidth = true;
+  StoreEpilogue<float> sums;  // the workspace, its split_stride the elements of one range's slice
+  StoreEpilogue<Out> out;
+  unsigned* counters;
+  int splits, range = 0;
+
+  __host__ __device__ RangeSums for_split(int s) const {
+    RangeSums e = *this;
+    e.range = s;
+    return e;
+  }
+  __host__ __device__ RangeSums<Out, true> swapped() const { return {sums, out, counters, splits, range}; }
+
+  // The counters a launch on a tile of bm x bn needs (C's m x n; swapped, the tile's rows are N).
+  __host__ __device__ static int64_t counters_for(int m, int n, int bn, bool swap) {
+    const int64_t rows = swap ? n : m, cols = swap ? m : n;
+    return (rows + 15) / 16 * ((cols + bn - 1) / bn);
+  }
+
+  // acc: the range's sums, then (in the last warp) the total, in place.
+  template <int kA>
+  __device__ __forceinline__ void operator()(float (&acc)[kA], int row0, int col0, int m, int n) const {
+    const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
+    if (row0 + 16 * warp >= m) return;  // rows past the tile (a tile of 16 or 32 rows): none here
+    const StoreEpilogue<float> mine = sums.for_split(range);
+    if constexpr (kSwap) SwapEpilogue<StoreEpilogue<float>>{mine}(acc, row0, col0, m, n);
+    else mine(acc, row0, col0, m, n);
+    // Every lane's sums are out before lane 0 counts them (the fence makes them visible to the
+    // warp that reads them), and that warp reads the others' only after its count.
+    __threadfence();
+    __syncwarp();
+    constexpr int kBN = 2 * kA;
+    unsigned* counter = counters + static_cast<int64_t>(row0 / 16 + warp) * ((n + kBN - 1) / kBN) + col0 / kBN;
+    unsigned last = 0;
+    if (lane == 0) {
+      last = atomicAdd(counter, 1u) == static_cast<unsigned>(splits - 1);
+      if (last) *counter = 0u;  // every range of these rows has counted: ready for the next launch
+    }
+    if (!__shfl_sync(0xffffffffu, last, 0)) return;
+    __threadfence();
+    const int r = row0 + 16 * warp + lane / 4, cq = col0 + (lane % 4) * 2;
+    // Range by range, all of the thread's elements at a time: one range's loads in flight together.
+    // This range's sums are read back too, so that the total takes the fragment's registers (tiles
+    // of 32 columns run with 64 registers a thread, 128 x 128 with 168).
+    float (&v)[kA] = acc;
+    for (int s = 0; s < splits; ++s) {
+      const float* slice = sums.out + s * sums.split_stride;
+#pragma unroll
+      for (int i = 0; i < kA; ++i) {
+        const int tr = r + 8 * ((i / 2) % 2), tc = cq + 8 * (i / 4) + i % 2;
+        const float x = tr < m && tc < n
+                            ? __ldcg(slice + static_cast<int64_t>(kSwap ? tc : tr) * sums.ldo + (kSwap ? tr : tc))
+                            : 0.f;  // from L2: the other ranges' come from other SMs
+        v[i] = s == 0 ? x : __fadd_rn(v[i], x);
+      }
+    }
+    if constexpr (kSwap) SwapEpilogue<StoreEpilogue<Out>>{out}(v, row0, col0, m, n);
+    else out(v, row0, col0, m, n);
+  }
+};
+
+template <typename Epi, typename = void>
+struct SwapsItself : std::false_type {};
 template <typename Epi>
-__global__ void __launch_bounds__(256)
-    rlk_det_gemm_combine_kernel(const float* __restrict__ ws, int splits, int m, int n, const Epi epi) {
-  ptx::grid_dependency_wait();  // the range sums come from the kernel just before
-  const int64_t mn = static_cast<int64_t>(m) * n, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (combine_by_quads(n, splits)) {
-    const float4* quads = reinterpret_cast<const float4*>(ws);
-    const int64_t slice = mn / 4;
-    for (int64_t i = first; i < slice; i += stride) {
-      float4 part[gemm_cfg::kMaxSplits];
-#pragma unroll
-      for (int s = 0; s < gemm_cfg::kMaxSplits; ++s) {
-        if (s < splits) part[s] = quads[s * slice + i];
-      }
-      float4 v = part[0];
-#pragma unroll
-      for (int s = 1; s < gemm_cfg::kMaxSplits; ++s) {
-        if (s < splits) {
-          v = make_float4(__fadd_rn(v.x, part[s].x), __fadd_rn(v.y, part[s].y), __fadd_rn(v.z, part[s].z),
-                          __fadd_rn(v.w, part[s].w));
-        }
-      }
-      const int row = static_cast<int>(4 * i / n), col = static_cast<int>(4 * i % n);
-      epi.store_pair(row, col, v.x, v.y, m, n);
-      epi.store_pair(row, col + 2, v.z, v.w, m, n);
-    }
-    return;
-  }
-  const int64_t half = (n + 1) / 2;
-  for (int64_t i = first; i < m * half; i += stride) {
-    const int row = static_cast<int>(i / half), col = static_cast<int>(i % half) * 2;
-    const float* p = ws + static_cast<int64_t>(row) * n + col;
-    const bool two = col + 1 < n;
-    float v0 = p[0], v1 = two ? p[1] : 0.f;
-    for (int s = 1; s < splits; ++s) {
-      v0 = __fadd_rn(v0, p[s * mn]);
-      if (two) v1 = __fadd_rn(v1, p[s * mn + 1]);
-    }
-    epi.store_pair(row, col, v0, v1, m, n);
-  }
-}
+struct SwapsItself<Epi, std::void_t<decltype(std::declval<const Epi&>().swapped())>> : std::true_type {};
 
 // Host side. Operands: A [m, k] and B [n, k] with leading dimensions lda, ldb (elements). An
 // operand marked MN-major is stored as its transpose (A as [k, m], B as [k, n], ld between K rows):
@@ -1084,8 +1103,12 @@ cudaError_t launch_det_gemm_tile(const GemmOperands& op, const Epi& epi, const G
   if constexpr (kSwap) {
     if (op.a_mn || op.b_mn) return cudaErrorInvalidValue;  // see gemm_reads_mn_major
     const GemmOperands t{op.b, op.ldb, op.a, op.lda, op.n, op.m, op.k, op.dtype};
-    return launch_det_gemm_grid<kBM, kBN, kSubs, false, false, kTwo>(t, SwapEpilogue<Epi>{epi}, split, num_sms,
-                                                                     true, stream);
+    if constexpr (SwapsItself<Epi>::value) {
+      return launch_det_gemm_grid<kBM, kBN, kSubs, false, false, kTwo>(t, epi.swapped(), split, num_sms, true, stream);
+    } else {
+      return launch_det_gemm_grid<kBM, kBN, kSubs, false, false, kTwo>(t, SwapEpilogue<Epi>{epi}, split, num_sms,
+                                                                       true, stream);
+    }
   } else if constexpr (kBN >= 128 && kBN % 64 == 0 && AnyWidth<Epi>::value) {
     if (op.a_mn && op.b_mn) {
       return launch_det_gemm_grid<kBM, kBN, kSubs, true, true, kTwo>(op, epi, split, num_sms, false, stream);
@@ -1161,29 +1184,31 @@ cudaError_t launch_det_gemm_sm90(const GemmOperands& op, const Epi& epi, int num
   return launch_det_gemm_tile<128, 256, false>(op, epi, gemm_no_split(op.k), num_sms, stream);
 }
 
-// det_gemm as plan_det_gemm(op.m, op.n, op.k, num_sms, ...) laid it out, into epi (a StoreEpilogue);
-// scratch holds plan.scratch_floats floats (null only when that is 0: a split across CTAs without it
-// is cudaErrorInvalidValue), 16-byte aligned, as every allocator gives it (the range sums are read
-// 16 bytes at a time where N is a multiple of 4). Split across CTAs, the tiles write their range
-// sums to scratch and rlk_det_gemm_combine_kernel adds them up into epi.
+// The counters a launch of `plan` for C of m x n needs where its K ranges meet across CTAs (0
+// elsewhere): zeroed once by the caller, and zero again after each launch (RangeSums).
+inline int64_t det_gemm_counters(const GemmPlan& plan, int m, int n) {
+  if (!plan.split.across) return 0;
+  return RangeSums<float>::counters_for(m, n, plan.tile.bn, plan.tile.swap);
+}
+
+// det_gemm as plan_det_gemm(op.m, op.n, op.k, num_sms, ...) laid it out, into epi (a StoreEpilogue).
+// Where its K ranges meet across CTAs, scratch holds plan.scratch_floats floats for their sums and
+// counters det_gemm_counters(plan, m, n) zeroed counters, which no other launch uses at the same
+// time (null where those are 0; missing, cudaErrorInvalidValue): the tiles write their range sums
+// to scratch and the last range of each tile's rows adds them up into epi (RangeSums).
 template <typename Out>
 cudaError_t launch_det_gemm_planned(const GemmOperands& op, const StoreEpilogue<Out>& epi,
-                                    const GemmPlan& plan, float* scratch, int num_sms, cudaStream_t stream) {
+                                    const GemmPlan& plan, float* scratch, unsigned* counters, int num_sms,
+                                    cudaStream_t stream) {
   GemmSplit split = plan.split;
   split.scratch = scratch;
   if (!split.across) return launch_det_gemm_on(plan.tile, op, epi, split, num_sms, stream);
   if (op.m <= 0 || op.n <= 0) return cudaSuccess;
-  if (scratch == nullptr) return cudaErrorInvalidValue;
+  if (scratch == nullptr || counters == nullptr) return cudaErrorInvalidValue;
   const int64_t mn = static_cast<int64_t>(op.m) * op.n;
   const StoreEpilogue<float> sums{scratch, op.n, nullptr, false, op.n % 2 == 0, false, mn};
-  cudaError_t e = launch_det_gemm_on(plan.tile, op, sums, split, num_sms, stream);
-  if (e != cudaSuccess) return e;
-  // Four columns a thread where N allows (see the kernel), else a pair.
-  const int64_t per_row = combine_by_quads(op.n, split.splits) ? op.n / 4 : (op.n + 1) / 2;
-  const int64_t blocks = (static_cast<int64_t>(op.m) * per_row + 255) / 256;
-  PdlLaunch launch(static_cast<int>(blocks < 8 * num_sms ? blocks : 8 * num_sms), 256, 0, stream);
-  return cudaLaunchKernelEx(&launch.cfg, rlk_det_gemm_combine_kernel<StoreEpilogue<Out>>,
-                            static_cast<const float*>(scratch), split.splits, op.m, op.n, epi);
+  return launch_det_gemm_on(plan.tile, op, RangeSums<Out>{sums, epi, counters, split.splits}, split, num_sms,
+                            stream);
 }
 
 template <typename Epi>
