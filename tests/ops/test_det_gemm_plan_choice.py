@@ -158,3 +158,60 @@ def test_pairs_only_where_measured(tmp_path):
     assert out.splitlines() == [
         "8192 1024 1 0", "4096 1024 1 0", "4097 1024 1 0", "2304 1024 1 0", "2048 1024 0 0",
         "1152 1024 0 0", "1000 2592 1 0", "640 1024 0 0", "1 0 0"], out
+
+
+COUNTERS = r"""
+#include <cstdio>
+#include <vector>
+#include "rl_engine/cuda/det_gemm.cuh"
+using namespace rl_engine::cuda;
+
+int main() {
+  // Every plan det_gemm_plan_options lists whose K ranges meet across CTAs, over a grid of shapes:
+  // each warp of each tile that holds rows gets a counter of its own within det_gemm_counters.
+  const int ns[] = {8, 264, 1000, 1024, 2560, 2592, 4096, 6144, 12288};
+  const int ks[] = {2560, 4096, 12288};
+  long warps = 0;
+  for (int n : ns)
+    for (int k : ks)
+      for (int m = 1; m <= 300; m += m < 40 ? 1 : 13) {
+        GemmPlan all[kGemmPlanOptions];
+        const int count = det_gemm_plan_options(m, n, k, all);
+        for (int i = 0; i < count; ++i) {
+          const GemmPlan& p = all[i];
+          const int64_t total = det_gemm_counters(p, m, n);
+          if (!p.split.across) {
+            if (total != 0) return std::printf("m=%d n=%d: counters without a split across CTAs\n", m, n), 1;
+            continue;
+          }
+          const int rows = p.tile.swap ? n : m, cols = p.tile.swap ? m : n, bm = p.tile.bm, bn = p.tile.bn;
+          std::vector<int> seen(total, 0);
+          for (int mb = 0; mb * bm < rows; ++mb)
+            for (int nb = 0; nb * bn < cols; ++nb)
+              for (int c = 0; c < (bm > 64 ? 2 : 1); ++c)
+                for (int w = 0; w < 4; ++w) {
+                  const int row0 = mb * bm + c * 64, row_end = (mb + 1) * bm < rows ? (mb + 1) * bm : rows;
+                  if (row0 + 16 * w >= row_end) continue;  // as RangeSums: no rows, no counter
+                  const int64_t at = RangeSums<float>::counter_index(row0, w, nb * bn, cols, bn);
+                  if (at < 0 || at >= total || seen[at]++) {
+                    std::printf("m=%d n=%d k=%d tile %dx%d%s: counter %lld of %lld taken twice or out of range\n",
+                                m, n, k, bm, bn, p.tile.swap ? " swapped" : "", (long long)at, (long long)total);
+                    return 1;
+                  }
+                  ++warps;
+                }
+        }
+      }
+  std::printf("checked %ld warps\n", warps);
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(NVCC is None, reason="needs nvcc (the program is host code, but the header is CUDA)")
+def test_range_sum_counters_are_one_a_warp(tmp_path):
+    """A split reduced across CTAs is added up by the last warp to count on its counter (RangeSums):
+    two warps sharing one would each count the other's ranges, and one past the buffer would count
+    on memory no launch zeroed."""
+    out = build_and_run(tmp_path, "counters", COUNTERS)
+    assert int(out.split()[1]) > 10_000, out

@@ -577,6 +577,11 @@ struct RangeSums {
     const int64_t rows = swap ? n : m, cols = swap ? m : n;
     return (rows + 15) / 16 * ((cols + bn - 1) / bn);
   }
+  // The counter of warp `warp` of the consumer whose fragment starts at (row0, col0) of a tile bn
+  // wide, in the tile's frame of n columns: one for its 16 rows and the tile's columns.
+  __host__ __device__ static int64_t counter_index(int row0, int warp, int col0, int n, int bn) {
+    return static_cast<int64_t>(row0 / 16 + warp) * ((n + bn - 1) / bn) + col0 / bn;
+  }
 
   // acc: the range's sums, then (in the last warp) the total, in place.
   template <int kA>
@@ -590,8 +595,7 @@ struct RangeSums {
     // warp that reads them), and that warp reads the others' only after its count.
     __threadfence();
     __syncwarp();
-    constexpr int kBN = 2 * kA;
-    unsigned* counter = counters + static_cast<int64_t>(row0 / 16 + warp) * ((n + kBN - 1) / kBN) + col0 / kBN;
+    unsigned* counter = counters + counter_index(row0, warp, col0, n, 2 * kA);
     unsigned last = 0;
     if (lane == 0) {
       last = atomicAdd(counter, 1u) == static_cast<unsigned>(splits - 1);
