@@ -196,7 +196,7 @@ template <typename Op>
 struct TakesCounters<Op, std::void_t<decltype(rl_engine::cuda::launch_det_gemm_planned(
                              std::declval<const Op&>(), rl_engine::cuda::StoreEpilogue<__nv_bfloat16>{},
                              rl_engine::cuda::GemmPlan{}, static_cast<float*>(nullptr),
-                             static_cast<unsigned*>(nullptr), 0, cudaStream_t{}))>> : std::true_type {};
+                             static_cast<unsigned long long*>(nullptr), 0, cudaStream_t{}))>> : std::true_type {};
 
 // det_gemm as planned for (m, n, k) into bf16, split K where the plan splits it.
 template <typename Op = rl_engine::cuda::GemmOperands>
@@ -209,10 +209,14 @@ void gemm(const char* name, int m, int n, int k, int sms) {
   float* scratch = plan.scratch_floats > 0 ? zeros<float>(plan.scratch_floats) : nullptr;
   const Op op{a, k, w, k, m, n, k, DType::kBF16};
   const StoreEpilogue<__nv_bfloat16> epi{out, n, nullptr, false, n % 2 == 0, n % 8 == 0, 0};
+  unsigned long long* counters = nullptr;  // RangeSums' where the tree has them (no zeroing needed)
+  if constexpr (TakesCounters<Op>::value) {
+    // A generic lambda: the name is looked up only in a tree that has it.
+    const int64_t words = [](const auto& p, int rows, int cols) { return det_gemm_counters(p, rows, cols); }(plan, m, n);
+    if (words > 0) counters = zeros<unsigned long long>(words);
+  }
   auto run = [&] {
     if constexpr (TakesCounters<Op>::value) {
-      static unsigned* counters = zeros<unsigned>(1 << 16);  // zero again after each launch
-      if (det_gemm_counters(plan, m, n) > (1 << 16)) check(cudaErrorInvalidValue, "det_gemm counters");
       check(launch_det_gemm_planned(op, epi, plan, scratch, counters, sms, 0), "det_gemm");
     } else {
       check(launch_det_gemm_planned(op, epi, plan, scratch, sms, 0), "det_gemm");

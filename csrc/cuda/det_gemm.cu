@@ -7,9 +7,6 @@
 #include <torch/library.h>
 
 #include <climits>
-#include <map>
-#include <mutex>
-#include <utility>
 #include <vector>
 
 #include "cuda/det_gemm_instances.h"
@@ -18,25 +15,6 @@
 
 namespace rl_engine::cuda {
 namespace {
-
-// RangeSums' counters for a launch of `count` of them on this stream. Zeroed once, each launch
-// leaves them zero, so the launches of one stream, which run one after another, share one set; a
-// set per device and stream keeps apart launches that may overlap. Grown by doubling and never
-// freed: a launch still queued may hold an older set.
-unsigned* range_counters(int64_t count, const at::Tensor& like, cudaStream_t stream) {
-  static std::mutex mu;
-  static std::map<std::pair<int, cudaStream_t>, at::Tensor> sets;
-  static std::vector<at::Tensor> retired;
-  const std::lock_guard<std::mutex> lock(mu);
-  at::Tensor& set = sets[{like.get_device(), stream}];
-  if (!set.defined() || set.numel() < count) {
-    if (set.defined()) retired.push_back(set);
-    int64_t size = 4096;
-    while (size < count) size *= 2;
-    set = at::zeros({size}, like.options().dtype(at::kInt));
-  }
-  return reinterpret_cast<unsigned*>(set.data_ptr<int32_t>());
-}
 
 template <typename Out>
 void gemm_store(const GemmOperands& g, const GemmPlan& plan, at::Tensor& out, const float* bias,
@@ -47,12 +25,14 @@ void gemm_store(const GemmOperands& g, const GemmPlan& plan, at::Tensor& out, co
   const StoreEpilogue<Out> epi{p, out.stride(0), bias, accumulate, pairs, rows16};
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (g.dtype == DType::kF32) return check_launch(launch_det_gemm_f32(g, epi, stream), op);
-  // Range sums of a split K (see plan_det_gemm), from the caching allocator on this stream.
-  at::Tensor scratch;
+  // Range sums of a split K (see plan_det_gemm) and the counters that find the last range of each
+  // tile (RangeSums, no zeroing needed), from the caching allocator on this stream.
+  at::Tensor scratch, counters;
   if (plan.scratch_floats > 0) scratch = at::empty({plan.scratch_floats}, out.options().dtype(at::kFloat));
   float* sp = plan.scratch_floats > 0 ? scratch.data_ptr<float>() : nullptr;
-  const int64_t counters = det_gemm_counters(plan, g.m, g.n);
-  unsigned* cp = counters > 0 ? range_counters(counters, out, stream) : nullptr;
+  const int64_t words = det_gemm_counters(plan, g.m, g.n);
+  if (words > 0) counters = at::empty({words}, out.options().dtype(at::kLong));
+  auto* cp = words > 0 ? reinterpret_cast<unsigned long long*>(counters.data_ptr<int64_t>()) : nullptr;
   check_launch(launch_det_gemm_planned(g, epi, plan, sp, cp, sm_count(), stream), op);
 }
 

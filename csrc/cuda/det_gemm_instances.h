@@ -8,7 +8,8 @@
 
 #define RLK_DET_GEMM_PLANNED(Out)                                                                     \
   template cudaError_t launch_det_gemm_planned<Out>(const GemmOperands&, const StoreEpilogue<Out>&, \
-                                                    const GemmPlan&, float*, unsigned*, int, cudaStream_t)
+                                                    const GemmPlan&, float*, unsigned long long*, int, \
+                                                    cudaStream_t)
 
 namespace rl_engine::cuda {
 

@@ -553,16 +553,19 @@ struct SwapEpilogue {
 // writes its range's sum to the workspace ([splits][m][n] fp32, `sums`), and the warp that finds
 // itself the last of the ranges over its 16 rows of the tile (one counter for those rows and the
 // tile's columns) adds every range's sums in range order and stores them through the det_gemm
-// epilogue (`out`): the additions of a CTA that computes every range, with no second kernel. The
-// counters start at zero and the last warp puts its one back, so they are zero again after every
-// launch; launches that share them must not run at the same time (the caller keeps them per stream).
+// epilogue (`out`): the additions of a CTA that computes every range, with no second kernel.
+// A counter holds the launch's tag (60 bits, never 0) above its count (4 bits), so it needs no
+// zeroing: a word that does not carry this launch's tag counts as zero. A word left by an earlier
+// launch is 0 (its last warp clears it, so that a CUDA graph replaying one tag starts from zero);
+// one left by other data matches the tag with a chance of 2^-60.
 // kSwap: the fragment is of a swapped tile (C transposed); sums and out are in C's frame.
 template <typename Out, bool kSwap = false>
 struct RangeSums {
   static constexpr bool kAnyWidth = true;
   StoreEpilogue<float> sums;  // the workspace, its split_stride the elements of one range's slice
   StoreEpilogue<Out> out;
-  unsigned* counters;
+  unsigned long long* counters;
+  unsigned long long tag;
   int splits, range = 0;
 
   __host__ __device__ RangeSums for_split(int s) const {
@@ -570,7 +573,7 @@ struct RangeSums {
     e.range = s;
     return e;
   }
-  __host__ __device__ RangeSums<Out, true> swapped() const { return {sums, out, counters, splits, range}; }
+  __host__ __device__ RangeSums<Out, true> swapped() const { return {sums, out, counters, tag, splits, range}; }
 
   // The counters a launch on a tile of bm x bn needs (C's m x n; swapped, the tile's rows are N).
   __host__ __device__ static int64_t counters_for(int m, int n, int bn, bool swap) {
@@ -581,6 +584,21 @@ struct RangeSums {
   // wide, in the tile's frame of n columns: one for its 16 rows and the tile's columns.
   __host__ __device__ static int64_t counter_index(int row0, int warp, int col0, int n, int bn) {
     return static_cast<int64_t>(row0 / 16 + warp) * ((n + bn - 1) / bn) + col0 / bn;
+  }
+
+  // Counts one range on the counter; whether it was the last.
+  __device__ __forceinline__ bool count(unsigned long long* counter) const {
+    unsigned long long old = *reinterpret_cast<volatile unsigned long long*>(counter);
+    for (;;) {
+      const unsigned long long mine = (old >> 4) == tag ? old + 1 : (tag << 4) | 1ull;
+      const unsigned long long seen = atomicCAS(counter, old, mine);
+      if (seen == old) {
+        if ((mine & 15ull) != static_cast<unsigned long long>(splits)) return false;
+        *counter = 0ull;  // every range has counted
+        return true;
+      }
+      old = seen;
+    }
   }
 
   // acc: the range's sums, then (in the last warp) the total, in place.
@@ -595,12 +613,7 @@ struct RangeSums {
     // warp that reads them), and that warp reads the others' only after its count.
     __threadfence();
     __syncwarp();
-    unsigned* counter = counters + counter_index(row0, warp, col0, n, 2 * kA);
-    unsigned last = 0;
-    if (lane == 0) {
-      last = atomicAdd(counter, 1u) == static_cast<unsigned>(splits - 1);
-      if (last) *counter = 0u;  // every range of these rows has counted: ready for the next launch
-    }
+    const bool last = lane == 0 && count(counters + counter_index(row0, warp, col0, n, 2 * kA));
     if (!__shfl_sync(0xffffffffu, last, 0)) return;
     __threadfence();
     const int r = row0 + 16 * warp + lane / 4, cq = col0 + (lane % 4) * 2;
@@ -1188,8 +1201,8 @@ cudaError_t launch_det_gemm_sm90(const GemmOperands& op, const Epi& epi, int num
   return launch_det_gemm_tile<128, 256, false>(op, epi, gemm_no_split(op.k), num_sms, stream);
 }
 
-// The counters a launch of `plan` for C of m x n needs where its K ranges meet across CTAs (0
-// elsewhere): zeroed once by the caller, and zero again after each launch (RangeSums).
+// The counters (64-bit words) a launch of `plan` for C of m x n needs where its K ranges meet across
+// CTAs (0 elsewhere), see RangeSums.
 inline int64_t det_gemm_counters(const GemmPlan& plan, int m, int n) {
   if (!plan.split.across) return 0;
   return RangeSums<float>::counters_for(m, n, plan.tile.bn, plan.tile.swap);
@@ -1197,22 +1210,26 @@ inline int64_t det_gemm_counters(const GemmPlan& plan, int m, int n) {
 
 // det_gemm as plan_det_gemm(op.m, op.n, op.k, num_sms, ...) laid it out, into epi (a StoreEpilogue).
 // Where its K ranges meet across CTAs, scratch holds plan.scratch_floats floats for their sums and
-// counters det_gemm_counters(plan, m, n) zeroed counters, which no other launch uses at the same
-// time (null where those are 0; missing, cudaErrorInvalidValue): the tiles write their range sums
-// to scratch and the last range of each tile's rows adds them up into epi (RangeSums).
+// counters det_gemm_counters(plan, m, n) words, neither used by another launch at the same time
+// and neither needing any zeroing (null where those are 0; missing, cudaErrorInvalidValue): the
+// tiles write their range sums to scratch and the last range of each tile's rows adds them up into
+// epi (RangeSums).
 template <typename Out>
 cudaError_t launch_det_gemm_planned(const GemmOperands& op, const StoreEpilogue<Out>& epi,
-                                    const GemmPlan& plan, float* scratch, unsigned* counters, int num_sms,
-                                    cudaStream_t stream) {
+                                    const GemmPlan& plan, float* scratch, unsigned long long* counters,
+                                    int num_sms, cudaStream_t stream) {
   GemmSplit split = plan.split;
   split.scratch = scratch;
   if (!split.across) return launch_det_gemm_on(plan.tile, op, epi, split, num_sms, stream);
   if (op.m <= 0 || op.n <= 0) return cudaSuccess;
   if (scratch == nullptr || counters == nullptr) return cudaErrorInvalidValue;
+  // A tag per launch of this process: 60 bits, so it never wraps, and never 0.
+  static std::atomic<unsigned long long> launches{0};
+  const unsigned long long tag = launches.fetch_add(1) % ((1ull << 60) - 1) + 1;
   const int64_t mn = static_cast<int64_t>(op.m) * op.n;
   const StoreEpilogue<float> sums{scratch, op.n, nullptr, false, op.n % 2 == 0, false, mn};
-  return launch_det_gemm_on(plan.tile, op, RangeSums<Out>{sums, epi, counters, split.splits}, split, num_sms,
-                            stream);
+  return launch_det_gemm_on(plan.tile, op, RangeSums<Out>{sums, epi, counters, tag, split.splits}, split,
+                            num_sms, stream);
 }
 
 template <typename Epi>
