@@ -153,8 +153,8 @@ def test_det_gemm_reads_its_inputs_only_once_they_are_written(ops):
     """A det_gemm launch may start while the kernel before it still runs (programmatic dependent
     launch) and must wait for it before touching memory. Chains in which every GEMM reads the
     output of the kernel just before it (another det_gemm, or a torch kernel), launched back to back
-    and replayed from a CUDA graph, give the bits of the same chain with a synchronize between
-    calls."""
+    and replayed from a CUDA graph (twice), give the bits of the same chain with a synchronize
+    between calls."""
     def chain(x, sync):
         outs = []
         for i in range(24):
@@ -165,9 +165,9 @@ def test_det_gemm_reads_its_inputs_only_once_they_are_written(ops):
         return outs
 
     # At N = 1024 (K in 4 ranges): swapped weight-stream tiles at 3 tokens (they let the next
-    # launch in early) and 64 x 32 tiles at 64, each writing range sums that one more kernel adds
-    # up; 128 x 64 tiles that add their own ranges at 1024. At N = 4096 (one range): swapped tiles
-    # at 3 tokens that let the next GEMM in early, 64 x 128 tiles at 256.
+    # launch in early) and 64 x 32 tiles at 64, each writing range sums that the last range of a
+    # tile adds up; 128 x 64 tiles that add their own ranges at 1024. At N = 4096 (one range):
+    # swapped tiles at 3 tokens that let the next GEMM in early, 64 x 128 tiles at 256.
     for n, m in ((1024, 3), (1024, 64), (1024, 1024), (4096, 3), (4096, 256)):
         w = randn(n, n, scale=n ** -0.5, seed=21)
         x = randn(m, n, seed=22)
@@ -181,9 +181,14 @@ def test_det_gemm_reads_its_inputs_only_once_they_are_written(ops):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             outs = chain(x, sync=False)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(outs, ref)), (n, m)
+        # Twice: a replay runs each launch with the tag it was captured with, so a split's counters
+        # must be clear again after the first (RangeSums).
+        for replay in range(2):
+            for o in outs:
+                o.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(a, b) for a, b in zip(outs, ref)), (n, m, replay)
 
 
 def pitched(t, extra=1):

@@ -7,14 +7,16 @@
 // are added in range order, ((p0 + p1) + p2) ..., before the epilogue (measured at e25236c: 4B's
 // down projection at M = 1-32 from 0.64-0.67 of cuBLAS unsplit to 0.93-0.99 in 3 ranges, 8B's KV
 // projection from 0.75-0.82 to 1.00-1.04 in 6, for 0.80-0.85 at M >= 4096 where it was 0.91-0.94).
-// No stream-K, no atomic. What changes with M is only the output tile (choose_gemm_tile), whether
-// the tile is swapped (B's rows as its rows), how many K blocks one shared-memory stage holds, and
-// where the range sums meet: in the CTA that computed them all (one range after the other, the
-// running sum in a second set of registers), or, where the tiles are too few to fill the SMs, in
-// separate CTAs that write them to a workspace that one more kernel adds up (plan_det_gemm). So a
-// row's bits depend only on that row and B, not on M, on the row's position, on the tile or on the
-// grid. A swapped tile gives an element the same k16 steps with the operands' roles exchanged, and
-// the products are exact in fp32, so it gives the same bits (the row tests hold it to that).
+// No stream-K, and no atomic adds a value (one only counts which CTA finishes last). What changes
+// with M is only the output tile (choose_gemm_tile), whether the tile is swapped (B's rows as its
+// rows), how many K blocks one shared-memory stage holds, and where the range sums meet: in the CTA
+// that computed them all (one range after the other, the running sum in a second set of
+// registers), or, where the tiles are too few to fill the SMs, in separate CTAs that write them to a
+// workspace, where the last of them to finish adds them up in range order (plan_det_gemm,
+// RangeSums). So a row's bits depend only on that row and B, not on M, on the row's position, on
+// the tile or on the grid. A swapped tile gives an element the same k16 steps with the operands'
+// roles exchanged, and the products are exact in fp32, so it gives the same bits (the row tests
+// hold it to that).
 //
 // The grid is persistent (work items, tiles or (tile, range) pairs, strided over CTAs); warpgroup 0
 // is the producer (one thread issues
