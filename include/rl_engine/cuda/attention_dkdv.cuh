@@ -245,7 +245,8 @@ __global__ void __launch_bounds__(WgDkv<D, H>::kThreads, 1)
 
   const int key0 = kstart + wkey + (lane >> 2);  // the thread's keys in its fragments: key0, key0 + 8
   ptx::mbar_wait(kv_bar, 0);
-  // K and V stay in shared memory: in registers they would spill (the kernel holds 254-255).
+  // K and V stay in shared memory: in registers they would spill where the kernel already holds
+  // 254-255 (head_dim 128, or two heads a step); one head a step at head_dim 64 was not timed so.
   const OperandA<D, false> ka(ks + c * 64 * 128, kDkvKeys * 128, warp, lane),
       va(vs + c * 64 * 128, kDkvKeys * 128, warp, lane);
   for (int it = 0;; ++it) {
