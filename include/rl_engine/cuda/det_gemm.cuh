@@ -980,17 +980,9 @@ int gemm_active_pairs(Kernel kernel, int block, int smem, std::atomic<int64_t>& 
   const int64_t key = static_cast<int64_t>(device) << 24 | smem;  // smem < 2^24
   const int64_t c = cached.load(std::memory_order_relaxed);
   if (c >= 0 && (c >> 32) == key) return static_cast<int>(c & 0xffffffff);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim = {2, 1, 1};
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(2);
-  cfg.blockDim = dim3(block);
-  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  const PdlLaunch pair(2, block, smem, nullptr, false, 2);  // one cluster of two, no early start
   int pairs = 0;
-  if (cudaOccupancyMaxActiveClusters(&pairs, kernel, &cfg) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveClusters(&pairs, kernel, &pair.cfg) != cudaSuccess) {
     (void)cudaGetLastError();
     pairs = 0;
   }
