@@ -7,8 +7,8 @@
 #
 # UNIT is a file under csrc/cuda (attention_bwd.cu); by default every unit that includes no torch
 # header. Each kernel gets a line: `same` or `CHANGED` (or `only in base` / `only in new`), its
-# registers on both sides and the new side's spill stores (ptxas -v). A kernel whose SASS is the
-# same runs the same instructions, so a change that leaves every kernel `same` needs no GPU A/B.
+# registers and spill stores on both sides (ptxas -v). A kernel whose SASS is the same runs the
+# same instructions, so a change that leaves every kernel `same` needs no GPU A/B.
 # Exit status: 0 when every kernel is the same, 3 when some differ, 1 when a build fails, 2 for a
 # wrong argument. NVCC (default: nvcc on PATH, else CUDA_HOME/bin/nvcc) and CUOBJDUMP (default:
 # cuobjdump on PATH, else beside nvcc) name the tools; cuobjdump needs nvdisasm beside it.
@@ -94,7 +94,7 @@ for u in "${units[@]}"; do
   for f in "$work/base-$u"/*.name; do [ -e "$f" ] && base_file[$(cat "$f")]=${f%.name}.sass; done
   for f in "$work/new-$u"/*.name; do [ -e "$f" ] && new_file[$(cat "$f")]=${f%.name}.sass; done
   for name in $(printf '%s\n' "${!base_file[@]}" "${!new_file[@]}" | sort -u); do
-    regs_a=$(awk -v n="$name" '$1 == n { print $2 }' "$work/base-$u/regs")
+    read -r regs_a spill_a < <(awk -v n="$name" '$1 == n { print $2, $3 }' "$work/base-$u/regs"; echo)
     read -r regs_b spill_b < <(awk -v n="$name" '$1 == n { print $2, $3 }' "$work/new-$u/regs"; echo)
     if [ -z "${new_file[$name]:-}" ]; then
       verdict="only in base"
@@ -106,8 +106,8 @@ for u in "${units[@]}"; do
       verdict="CHANGED"
     fi
     [ "$verdict" = same ] || changed=$((changed + 1))
-    printf '  %-12s %s  regs %s -> %s, spill stores %s bytes\n' "$verdict" "$name" "${regs_a:--}" \
-      "${regs_b:--}" "${spill_b:--}"
+    printf '  %-12s %s  regs %s -> %s, spill stores %s -> %s bytes\n' "$verdict" "$name" "${regs_a:--}" \
+      "${regs_b:--}" "${spill_a:--}" "${spill_b:--}"
   done
   unset base_file new_file
 done

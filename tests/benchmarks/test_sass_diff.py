@@ -81,7 +81,7 @@ def test_an_unchanged_tree_is_the_same_everywhere(tmp_path):
     assert done.returncode == 0, done.stderr
     # The unit that includes a torch header is left out by default.
     assert verdicts(done.stdout) == {"fwd": "same", "bwd": "same"}
-    assert "regs 4 -> 4, spill stores 8 bytes" in done.stdout
+    assert "regs 4 -> 4, spill stores 8 -> 8 bytes" in done.stdout
     assert "every kernel's SASS is the same" in done.stdout
     assert "nvdisasm warning" not in done.stderr
 
