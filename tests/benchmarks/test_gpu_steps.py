@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fixtures.git_repo import git
+
 ROOT = Path(__file__).resolve().parents[2]
 SUFFIX = sysconfig.get_config_var("EXT_SUFFIX")
 
@@ -109,11 +111,6 @@ def test_a_tree_without_its_cached_build_is_built(tmp_path):
     if torch.version.cuda is None:  # with a CUDA torch it compiles this tree's stub kernel, and fails there
         assert "RLK_BUILD_CUDA=1 but no CUDA torch" in (tmp_path / "out" / "build.log").read_text()
     assert not (repo / "rl_engine" / f"_C{SUFFIX}").exists()
-
-
-def git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
-                          check=True, capture_output=True, text=True).stdout.strip()
 
 
 def device_copy(tmp_path: Path) -> tuple[Path, Path, str]:

@@ -9,6 +9,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from fixtures.git_repo import git
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Links "binaries" that print one forward case as kernel_ab.cu does, time and hash from the
@@ -31,11 +33,6 @@ chmod +x "$out"
 """
 
 
-def git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
-                          text=True).stdout.strip()
-
-
 def make_repo(tmp_path: Path) -> Path:
     """A repository with the script and a kernel source, one commit."""
     repo = tmp_path / "repo"
@@ -48,7 +45,7 @@ def make_repo(tmp_path: Path) -> Path:
         (repo / rel).write_text(f"// {rel}\n")
     git(repo, "init", "-q")
     git(repo, "add", "-A")
-    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "base")
+    git(repo, "commit", "-q", "-m", "base")
     nvcc = tmp_path / "nvcc"
     nvcc.write_text(FAKE_NVCC)
     nvcc.chmod(0o755)
@@ -104,7 +101,7 @@ def test_a_build_for_other_sources_base_or_cases_is_refused(tmp_path):
     assert kernel_ab(repo, "HEAD", "attn", **run).returncode == 0
     (repo / "README").write_text("not a kernel source\n")
     git(repo, "add", "README")
-    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "newer base")
+    git(repo, "commit", "-q", "-m", "newer base")
     other_base = kernel_ab(repo, "HEAD", "attn", **run)
     assert other_base.returncode == 2
     assert f"not {git(repo, 'rev-parse', 'HEAD')}" in other_base.stderr
@@ -118,7 +115,7 @@ def test_a_build_runs_where_the_history_lacks_its_base_named_in_full(tmp_path):
     shutil.rmtree(repo / ".git")
     git(repo, "init", "-q")
     git(repo, "add", "-A")
-    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "copy")
+    git(repo, "commit", "-q", "-m", "copy")
     run = {"KERNEL_AB_PREBUILT": str(out), "KAB_MS_BASE": "0.5", "KAB_MS_NEW": "0.5",
            "KAB_OUT_BASE": "ab", "KAB_OUT_NEW": "ab"}
     done = kernel_ab(repo, base, "attn", **run)

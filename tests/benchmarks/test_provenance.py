@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import subprocess
 from pathlib import Path
+
+from fixtures.git_repo import git
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("provenance", ROOT / "benchmarks" / "provenance.py")
 provenance = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(provenance)
-
-
-def git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
-                          check=True, capture_output=True, text=True).stdout.strip()
 
 
 def parse(*argv: str) -> argparse.Namespace:

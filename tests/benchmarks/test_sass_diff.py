@@ -10,6 +10,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from fixtures.git_repo import git
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # "Compiles" a unit: the cubin is the unit's kernel lines; ptxas -v's lines on stderr give each kernel
@@ -40,11 +42,6 @@ done < "$2"
 """
 
 
-def git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
-                          text=True).stdout.strip()
-
-
 def make_repo(tmp_path: Path) -> Path:
     repo = tmp_path / "repo"
     (repo / "benchmarks").mkdir(parents=True)
@@ -56,7 +53,7 @@ def make_repo(tmp_path: Path) -> Path:
     (repo / "csrc" / "cuda" / "ops.cu").write_text("#include <torch/library.h>\nkernel glue MOV\n")
     git(repo, "init", "-q")
     git(repo, "add", "-A")
-    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "base")
+    git(repo, "commit", "-q", "-m", "base")
     for name, text in (("nvcc", FAKE_NVCC), ("cuobjdump", FAKE_CUOBJDUMP)):
         (tmp_path / name).write_text(text)
         (tmp_path / name).chmod(0o755)
