@@ -37,6 +37,11 @@ for u in "${units[@]}"; do
     echo "sass_diff: csrc/cuda/$u is in neither the working tree nor $base; $usage" >&2
     exit 2
   fi
+  if grep -q '#include <torch/\|#include <ATen/' "$root/csrc/cuda/$u" 2>/dev/null; then
+    echo "sass_diff: csrc/cuda/$u includes torch headers, which this check builds without; compare" \
+      "the kernels it launches through a unit that instantiates them without torch" >&2
+    exit 2
+  fi
 done
 
 cuda=${CUDA_HOME:-/usr/local/cuda}
@@ -55,8 +60,8 @@ mkdir -p "$work/base" "$work/new"
 git -C "$root" archive "$base_commit" include csrc | tar -x -C "$work/base"
 (cd "$root" && tar -c include csrc) | tar -x -C "$work/new"
 
-# Compiles one side's unit; splits its SASS into one file a kernel (KERNELS/<n>.sass, the name in
-# KERNELS/<n>.name) and writes "name registers spill-bytes" lines to KERNELS/regs.
+# Compiles one side's unit into $work/SIDE-UNIT/: the n-th kernel's SASS in <n>.sass and its name
+# in <n>.name, and one "name registers spill-bytes" line a kernel in regs.
 build() {
   local side=$1 unit=$2 out=$work/$1-$2
   mkdir -p "$out"

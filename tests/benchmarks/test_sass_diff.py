@@ -102,6 +102,8 @@ def test_wrong_arguments_and_a_broken_build_exit_non_zero(tmp_path):
     assert path.returncode == 2 and "given by its name alone" in path.stderr
     missing = sass_diff(repo, "HEAD", "nothing.cu")
     assert missing.returncode == 2 and "in neither the working tree nor HEAD" in missing.stderr
+    torch_unit = sass_diff(repo, "HEAD", "ops.cu")
+    assert torch_unit.returncode == 2 and "includes torch headers" in torch_unit.stderr
 
     (repo / "csrc" / "cuda" / "attention.cu").write_text("BROKEN\n")
     broken = sass_diff(repo, "HEAD", "attention.cu")
