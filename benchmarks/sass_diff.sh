@@ -7,15 +7,18 @@
 #
 # UNIT is a file under csrc/cuda (attention_bwd.cu); by default every unit that includes no torch
 # header. Each kernel gets a line: `same` or `CHANGED` (or `only in base` / `only in new`), its
-# registers and spill stores on both sides (ptxas -v). A kernel whose SASS is the same runs the
-# same instructions, so a change that leaves every kernel `same` needs no GPU A/B.
+# registers and spill stores on both sides (ptxas -v). `same` means the same instructions and the
+# same resources (ptxas's `Used ...` line: registers, barriers, constant and static shared memory),
+# so the kernel itself needs no GPU A/B; host code (launch configurations, the tile choice in units
+# with torch headers, which this check leaves out) is not compared.
 # Exit status: 0 when every kernel is the same, 3 when some differ, 1 when a build fails, 2 for a
 # wrong argument. NVCC (default: nvcc on PATH, else CUDA_HOME/bin/nvcc) and CUOBJDUMP (default:
 # cuobjdump on PATH, else beside nvcc) name the tools; cuobjdump needs nvdisasm beside it.
 set -euo pipefail
 
 usage="usage: bash benchmarks/sass_diff.sh BASE_REV [UNIT ...]"
-base=${1:?$usage}
+[ $# -ge 1 ] || { echo "sass_diff: no BASE_REV; $usage" >&2; exit 2; }
+base=$1
 shift
 root=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
 base_commit=$(git -C "$root" rev-parse --verify -q "$base^{commit}") || {
@@ -24,9 +27,16 @@ base_commit=$(git -C "$root" rev-parse --verify -q "$base^{commit}") || {
 }
 units=("$@")
 if [ ${#units[@]} -eq 0 ]; then
-  for f in "$root"/csrc/cuda/*.cu; do
-    grep -q '#include <torch/\|#include <ATen/' "$f" || units+=("$(basename "$f")")
+  # The units of both trees, so that one added or removed is compared too.
+  for u in $( (ls "$root/csrc/cuda"; git -C "$root" ls-tree --name-only "$base_commit" csrc/cuda/ | xargs -rn1 basename) \
+      2>/dev/null | grep '\.cu$' | sort -u); do
+    text=$(git -C "$root" show "$base_commit:csrc/cuda/$u" 2>/dev/null; cat "$root/csrc/cuda/$u" 2>/dev/null || true)
+    grep -q '#include <torch/\|#include <ATen/' <<<"$text" || units+=("$u")
   done
+  if [ ${#units[@]} -eq 0 ]; then
+    echo "sass_diff: no unit under csrc/cuda without torch headers to compare; name one; $usage" >&2
+    exit 2
+  fi
 fi
 for u in "${units[@]}"; do
   if [[ "$u" == */* || "$u" != *.cu ]]; then
@@ -61,10 +71,12 @@ git -C "$root" archive "$base_commit" include csrc | tar -x -C "$work/base"
 (cd "$root" && tar -c include csrc) | tar -x -C "$work/new"
 
 # Compiles one side's unit into $work/SIDE-UNIT/: the n-th kernel's SASS in <n>.sass and its name
-# in <n>.name, and one "name registers spill-bytes" line a kernel in regs.
+# in <n>.name, and a line "name registers spill-bytes|rest of ptxas's Used line" a kernel in regs
+# (empty where the unit is not on that side).
 build() {
   local side=$1 unit=$2 out=$work/$1-$2
   mkdir -p "$out"
+  : >"$out/regs"
   [ -f "$work/$side/csrc/cuda/$unit" ] || return 0
   if ! (cd "$work/$side" && "$nvcc" "${flags[@]}" -DRL_ENGINE_WITH_SM90 -Iinclude -Icsrc -cubin -Xptxas -v \
       -o "$out/unit.cubin" "csrc/cuda/$unit") >"$out/ptxas.txt" 2>&1; then
@@ -81,9 +93,11 @@ build() {
   sed -E 's#/\*[0-9a-f]+\*/##' "$out/unit.sass" | awk -v dir="$out" '
     /Function : / { if (n) close(dir "/" n ".sass"); n++; name = $3; print name > (dir "/" n ".name"); close(dir "/" n ".name") }
     n > 0 && NF > 0 { print > (dir "/" n ".sass") }'
-  awk '/Compiling entry function/ { match($0, /\047[^\047]+\047/); name = substr($0, RSTART + 1, RLENGTH - 2) }
+  awk '/Compiling entry function/ { match($0, /\047[^\047]+\047/); name = substr($0, RSTART + 1, RLENGTH - 2); spill = "" }
        /spill stores/ { for (i = 1; i <= NF; i++) if ($(i + 1) == "bytes" && $(i + 2) == "spill" && $(i + 3) == "stores,") spill = $i }
-       /Used [0-9]+ registers/ { for (i = 1; i <= NF; i++) if ($i == "Used") print name, $(i + 1), spill }' \
+       /Used [0-9]+ registers/ && name != "" {
+         for (i = 1; i <= NF; i++) if ($i == "Used") print name, $(i + 1), spill "|" substr($0, index($0, "Used"))
+         name = "" }' \
     "$out/ptxas.txt" >"$out/regs"
 }
 
@@ -99,13 +113,15 @@ for u in "${units[@]}"; do
   for f in "$work/base-$u"/*.name; do [ -e "$f" ] && base_file[$(cat "$f")]=${f%.name}.sass; done
   for f in "$work/new-$u"/*.name; do [ -e "$f" ] && new_file[$(cat "$f")]=${f%.name}.sass; done
   for name in $(printf '%s\n' "${!base_file[@]}" "${!new_file[@]}" | sort -u); do
-    read -r regs_a spill_a < <(awk -v n="$name" '$1 == n { print $2, $3 }' "$work/base-$u/regs"; echo)
-    read -r regs_b spill_b < <(awk -v n="$name" '$1 == n { print $2, $3 }' "$work/new-$u/regs"; echo)
+    IFS='|' read -r regs_a used_a < <(awk -v n="$name" '$1 == n { sub(/^[^ ]+ /, ""); print }' "$work/base-$u/regs"; echo)
+    IFS='|' read -r regs_b used_b < <(awk -v n="$name" '$1 == n { sub(/^[^ ]+ /, ""); print }' "$work/new-$u/regs"; echo)
+    read -r regs_a spill_a <<<"$regs_a"
+    read -r regs_b spill_b <<<"$regs_b"
     if [ -z "${new_file[$name]:-}" ]; then
       verdict="only in base"
     elif [ -z "${base_file[$name]:-}" ]; then
       verdict="only in new"
-    elif cmp -s "${base_file[$name]}" "${new_file[$name]}"; then
+    elif cmp -s "${base_file[$name]}" "${new_file[$name]}" && [ "$used_a" = "$used_b" ]; then
       verdict="same"
     else
       verdict="CHANGED"
@@ -118,7 +134,7 @@ for u in "${units[@]}"; do
 done
 echo
 if [ "$changed" -eq 0 ]; then
-  echo "every kernel's SASS is the same"
+  echo "every kernel is the same (its SASS and its resources)"
   exit 0
 fi
 echo "$changed kernel(s) differ"
