@@ -5,8 +5,8 @@
 #
 #   bash benchmarks/sass_diff.sh BASE_REV [UNIT ...]
 #
-# UNIT is a file under csrc/cuda (attention_bwd.cu); by default every unit that includes no torch
-# header. Each kernel gets a line: `same` or `CHANGED` (or `only in base` / `only in new`), its
+# UNIT is a file under csrc/cuda (attention_bwd.cu); by default every unit of either tree that
+# includes no torch header. Each kernel gets a line: `same` or `CHANGED` (or `only in base` / `only in new`), its
 # registers and spill stores on both sides (ptxas -v). `same` means the same instructions and the
 # same resources (ptxas's `Used ...` line: registers, barriers, constant and static shared memory),
 # so the kernel itself needs no GPU A/B; host code (launch configurations, the tile choice in units
