@@ -26,12 +26,13 @@ base_commit=$(git -C "$root" rev-parse --verify -q "$base^{commit}") || {
   exit 2
 }
 units=("$@")
+torch_headers='#include <torch/\|#include <ATen/'  # units with these are left out (no torch here)
 if [ ${#units[@]} -eq 0 ]; then
   # The units of both trees, so that one added or removed is compared too.
   for u in $( (ls "$root/csrc/cuda"; git -C "$root" ls-tree --name-only "$base_commit" csrc/cuda/ | xargs -rn1 basename) \
       2>/dev/null | grep '\.cu$' | sort -u); do
     text=$(git -C "$root" show "$base_commit:csrc/cuda/$u" 2>/dev/null; cat "$root/csrc/cuda/$u" 2>/dev/null || true)
-    grep -q '#include <torch/\|#include <ATen/' <<<"$text" || units+=("$u")
+    grep -q "$torch_headers" <<<"$text" || units+=("$u")
   done
   if [ ${#units[@]} -eq 0 ]; then
     echo "sass_diff: no unit under csrc/cuda without torch headers to compare; name one; $usage" >&2
@@ -47,7 +48,7 @@ for u in "${units[@]}"; do
     echo "sass_diff: csrc/cuda/$u is in neither the working tree nor $base; $usage" >&2
     exit 2
   fi
-  if grep -q '#include <torch/\|#include <ATen/' "$root/csrc/cuda/$u" 2>/dev/null; then
+  if grep -q "$torch_headers" "$root/csrc/cuda/$u" 2>/dev/null; then
     echo "sass_diff: csrc/cuda/$u includes torch headers, which this check builds without; compare" \
       "the kernels it launches through a unit that instantiates them without torch" >&2
     exit 2
@@ -109,12 +110,14 @@ for u in "${units[@]}"; do
   build new "$u" || exit 1
   echo
   echo "csrc/cuda/$u"
-  declare -A base_file=() new_file=()
+  declare -A base_file=() new_file=() base_res=() new_res=()
   for f in "$work/base-$u"/*.name; do [ -e "$f" ] && base_file[$(cat "$f")]=${f%.name}.sass; done
   for f in "$work/new-$u"/*.name; do [ -e "$f" ] && new_file[$(cat "$f")]=${f%.name}.sass; done
+  while read -r name rest; do base_res[$name]=$rest; done <"$work/base-$u/regs"
+  while read -r name rest; do new_res[$name]=$rest; done <"$work/new-$u/regs"
   for name in $(printf '%s\n' "${!base_file[@]}" "${!new_file[@]}" | sort -u); do
-    IFS='|' read -r regs_a used_a < <(awk -v n="$name" '$1 == n { sub(/^[^ ]+ /, ""); print }' "$work/base-$u/regs"; echo)
-    IFS='|' read -r regs_b used_b < <(awk -v n="$name" '$1 == n { sub(/^[^ ]+ /, ""); print }' "$work/new-$u/regs"; echo)
+    IFS='|' read -r regs_a used_a <<<"${base_res[$name]:-}"
+    IFS='|' read -r regs_b used_b <<<"${new_res[$name]:-}"
     read -r regs_a spill_a <<<"$regs_a"
     read -r regs_b spill_b <<<"$regs_b"
     if [ -z "${new_file[$name]:-}" ]; then
@@ -130,7 +133,7 @@ for u in "${units[@]}"; do
     printf '  %-12s %s  regs %s -> %s, spill stores %s -> %s bytes\n' "$verdict" "$name" "${regs_a:--}" \
       "${regs_b:--}" "${spill_a:--}" "${spill_b:--}"
   done
-  unset base_file new_file
+  unset base_file new_file base_res new_res
 done
 echo
 if [ "$changed" -eq 0 ]; then
