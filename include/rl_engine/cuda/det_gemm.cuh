@@ -857,7 +857,8 @@ struct GemmPlan {
 // A split K is reduced across CTAs for the weight stream of a swapped tile, and up to M = 256 where
 // the unsplit tiles make at most one wave: there a CTA's time is its K chain (measured: Qwen3-4B's
 // down projection takes the same 29 us at M = 1, 64 and 128). Each (tile, range) is a CTA, the tile
-// chosen as for N times the ranges, and a workspace of splits x M x N floats holds the range sums.
+// chosen as for N times the ranges (narrower from M = 33 where that leaves SMs idle, see below),
+// and a workspace of splits x M x N floats holds the range sums.
 // Above M = 256, or where the tiles fill a wave, they are compute bound and that workspace's traffic
 // (2 splits M N 4 bytes) would cost more than shorter chains win, so each CTA runs its tiles'
 // ranges one after the other on the tile gemm_two_sum_tile makes of choose_gemm_tile's, a running
@@ -878,6 +879,18 @@ inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms, bool split_k) {
     // launch in early, the same tiles were 0-7% slower, so M <= 32 keeps those.
     const int64_t narrow = static_cast<int64_t>((n + 31) / 32) * p.split.splits;
     if (m > 32 && m <= 64 && gemm_one_resident_pass(narrow, 32, num_sms)) p.tile = {64, 32, false};
+    // From M = 65, where the pick's (tile, range) items leave a third of the SMs idle, swapped
+    // 64 x 64 tiles (slabs of 64 weight rows by 64 tokens) where theirs busy every SM and fit at
+    // once: 4B's KV projection (N = 1024 in 5 ranges: 80 items of 128 x 64 or 128 x 128) in every
+    // H100 sweep in benchmarks/results/h100/, 6-12% faster at M = 128 and 15-20% at M = 192, -3%
+    // to +6% at M = 96-100. 8B's (96 items) keeps its tile: swapped, it was 12-16% slower at
+    // M = 96-100 and 0-8% faster at 128; the o and down projections (120 items) keep theirs.
+    if (m > 64) {
+      const GemmTile& c = p.tile;
+      const int64_t items = static_cast<int64_t>((m + c.bm - 1) / c.bm) * ((n * p.split.splits + c.bn - 1) / c.bn);
+      const int64_t slabs = static_cast<int64_t>((n + 63) / 64) * p.split.splits * ((m + 63) / 64);
+      if (3 * items < 2 * num_sms && gemm_one_resident_pass(slabs, 64, num_sms)) p.tile = {64, 64, true};
+    }
     p.split.across = true;
     p.scratch_floats = static_cast<int64_t>(p.split.splits) * m * n;
     return p;
