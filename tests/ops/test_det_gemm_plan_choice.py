@@ -123,7 +123,7 @@ def test_picks_measured_on_a_sweep(tmp_path):
     keep 32. From M = 65 with K split across CTAs, 4B's KV projection (80 items of the 128-row
     tiles) runs swapped 64 x 64 tiles while their items fit in one pass (160 at M = 128, 240 at
     192; at 256, 320 do not): 6-12% and 15-20% faster in every H100 sweep. 8B's (96 items) and the
-    o projection (120) keep theirs: 8B's swapped was 12-16% slower at M = 96-100."""
+    o projection (120) keep theirs: 8B's swapped was 12-18% slower at M = 96-100."""
     out = build_and_run(tmp_path, "picks", PICKS)
     assert out.splitlines() == [
         "1030 1024 4096 128x128", "1030 1024 2560 128x128", "1025 1024 4096 128x128",

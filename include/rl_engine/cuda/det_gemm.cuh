@@ -883,7 +883,7 @@ inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms, bool split_k) {
     // 64 x 64 tiles (slabs of 64 weight rows by 64 tokens) where theirs busy every SM and fit at
     // once: 4B's KV projection (N = 1024 in 5 ranges: 80 items of 128 x 64 or 128 x 128) in every
     // H100 sweep in benchmarks/results/h100/, 6-12% faster at M = 128 and 15-20% at M = 192, -3%
-    // to +6% at M = 96-100. 8B's (96 items) keeps its tile: swapped, it was 12-16% slower at
+    // to +6% at M = 96-100. 8B's (96 items) keeps its tile: swapped, it was 12-18% slower at
     // M = 96-100 and 0-8% faster at 128; the o and down projections (120 items) keep theirs.
     if (m > 64) {
       const GemmTile& c = p.tile;
