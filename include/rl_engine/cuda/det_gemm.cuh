@@ -137,9 +137,9 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
                              const GemmSplit split, bool pair) {
   using namespace gemm_cfg;
   constexpr int kConsumers = kBM > 64 ? 2 : 1;
-  // Only the tiles gemm_pair_tile names carry the paired code; the others compile as unpaired but
-  // for the check that skips the empty half of a pair past N.
-  const bool paired = gemm_pair_tile(kBM, kBN, kTwo) && pair;
+  // Only the tiles gemm_pair_tile names, with a K-major A (gemm_may_pair), carry the paired code;
+  // the others compile as unpaired, without even the check that skips the empty half of a pair.
+  const bool paired = gemm_pair_tile(kBM, kBN, kTwo) && !kTA && pair;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t base = (ptx::smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t bars = base + ring.stages * ring.stage_bytes + kSlackBytes;
@@ -313,7 +313,7 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
       }
     }
     const int row_end = (mb + 1) * kBM < m ? (mb + 1) * kBM : m;
-    if (nb >= n_blocks) continue;  // the empty half of a pair
+    if (paired && nb >= n_blocks) continue;  // the empty half of a pair
     if (split.across) {
       epilogue_for_split(epi, first)(acc, mb * kBM + c * 64, nb * kBN, row_end, n);
     } else {
