@@ -190,12 +190,12 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
     uint32_t phase = 0;
     const int half_rows = ring.a_rows / 2;
     for (int item = first_item; item < split.items; item += item_stride) {
-      const int tile = split.across ? item / split.splits : item;
-      int mb, nb;
+      int tile, first, end, mb, nb;
+      ranges(item, tile, first, end);
       coords(tile, mb, nb);
       // One range, or all of K (ranges hold whole multiples of 4 K blocks, so a stage never
       // straddles two of them). Beside two consumers this thread has 24 registers: little state.
-      for (int kb = split.across ? (item - tile * split.splits) * split.blocks : 0; kb < k_iters;) {
+      for (int kb = first * split.blocks; kb < k_iters;) {
         ptx::mbar_wait(empty(s), phase ^ 1u);  // first pass: the slot starts free
         ptx::mbar_arrive_expect_tx(full(s), ring.stage_bytes);
         const uint32_t st = base + s * ring.stage_bytes;
