@@ -59,9 +59,11 @@ constexpr int kSmPerSmem = 233472;  // shared memory of one SM, 1 KB of it reser
 constexpr int kSlackBytes = 64 * kRowBytes;
 constexpr int kOverhead = kSlackBytes + 2 * kMaxStages * 8 + 1024;  // + barriers, alignment
 // Resident CTAs per SM of a one-warpgroup tile (registers allow 4 below 64 columns): at small M a
-// row's K chain is a sequence of dependent wgmma, so an SM runs several tiles' chains at once.
-__host__ __device__ constexpr int gemm_max_occupancy(int consumers, int bn) {
-  return consumers == 2 ? 1 : bn >= 64 ? 2 : 4;
+// row's K chain is a sequence of dependent wgmma, so an SM runs several tiles' chains at once. A
+// 32-column tile that keeps a running sum beside its accumulator (two) takes 3: at 4 its 64
+// registers a thread spilled 104-112 bytes (ptxas -v).
+__host__ __device__ constexpr int gemm_max_occupancy(int consumers, int bn, bool two = false) {
+  return consumers == 2 ? 1 : bn >= 64 ? 2 : two ? 3 : 4;
 }
 constexpr int kGroupM = 16;  // tile order: 16 row blocks per band, for L2 reuse of B
 }  // namespace gemm_cfg
@@ -130,7 +132,7 @@ __device__ __forceinline__ Epi epilogue_for_split(const Epi& epi, int s) {
 // tile's last row).
 template <int kBM, int kBN, int kSubs, bool kHalf, bool kTA, bool kTB, bool kTwo, typename Epi>
 __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
-                                  gemm_cfg::gemm_max_occupancy(kBM > 64 ? 2 : 1, kBN))
+                                  gemm_cfg::gemm_max_occupancy(kBM > 64 ? 2 : 1, kBN, kTwo))
     rlk_det_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                              const __grid_constant__ CUtensorMap map_b, int m, int n, int k,
                              const GemmRing ring, const Epi epi, bool stream_dependents,
@@ -680,7 +682,7 @@ inline int gemm_ring_bytes(int occupancy) {
 // that exist (m rounded up to 8) when m is below the tile height; `subs` K blocks a stage; as many
 // stages as fit. A launch with fewer tiles than resident slots runs fewer CTAs an SM, each with a
 // deeper ring: a weight stream is paced by the bytes in flight per SM.
-inline GemmRing gemm_ring(int bm, int bn, int subs, int m, int64_t tiles, int num_sms) {
+inline GemmRing gemm_ring(int bm, int bn, int subs, int m, int64_t tiles, int num_sms, bool two = false) {
   using namespace gemm_cfg;
   GemmRing r{};
   r.a_rows = m >= bm ? bm : (m + 7) / 8 * 8;
@@ -688,7 +690,7 @@ inline GemmRing gemm_ring(int bm, int bn, int subs, int m, int64_t tiles, int nu
   r.b_bytes = static_cast<uint32_t>(bn * kRowBytes);
   r.stage_bytes = subs * (r.a_bytes + r.b_bytes);
   const int64_t per_sm = (tiles + num_sms - 1) / num_sms;
-  const int most = gemm_max_occupancy(bm > 64 ? 2 : 1, bn);
+  const int most = gemm_max_occupancy(bm > 64 ? 2 : 1, bn, two);
   // The most resident CTAs useful (and allowed) that still leave each a ring of 4 stages (one where
   // nothing else fits).
   for (r.occupancy = per_sm < most ? static_cast<int>(per_sm) : most;; r.occupancy /= 2) {
@@ -1027,7 +1029,7 @@ cudaError_t launch_det_gemm_grid(const GemmOperands& op, const Epi& epi, const G
   const int64_t tiles = static_cast<int64_t>(m_blocks) * n_blocks;
   const int64_t items = split.across ? tiles * split.splits : tiles;
   // An MN-major A always takes whole 64-row panels (zero-filled past m).
-  const GemmRing ring = gemm_ring(kBM, kBN, kSubs, kTA && op.m < kBM ? kBM : op.m, items, num_sms);
+  const GemmRing ring = gemm_ring(kBM, kBN, kSubs, kTA && op.m < kBM ? kBM : op.m, items, num_sms, kTwo);
   auto kernel = op.dtype == DType::kF16 ? rlk_det_gemm_sm90_kernel<kBM, kBN, kSubs, true, kTA, kTB, kTwo, Epi>
                                         : rlk_det_gemm_sm90_kernel<kBM, kBN, kSubs, false, kTA, kTB, kTwo, Epi>;
   const int smem = ring.stages * static_cast<int>(ring.stage_bytes) + kOverhead;
