@@ -105,6 +105,28 @@ def test_det_gemm_every_plan_gives_the_same_bits(ops, n, k, dtype):
             assert torch.equal(ops._det_gemm_on_plan(xm, w, list(plan)), y[off:off + m]), (m, plan)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_det_gemm_zero_rows_keep_their_sign_on_every_plan(ops, dtype):
+    """Rows of x that are all +0 or all -0 against a weight of both signs make every product a signed
+    zero. The 128-row tiles of 32 and 64 columns start each K range from d = a . b instead of a
+    zeroed accumulator, where a sum of -0 products could stay -0: every plan must still give the
+    pick's bits, compared as integers (torch.equal takes -0 for +0). K in 5 and in 6 ranges."""
+    for n, k in ((1024, 2560), (1000, 4096)):
+        x, w = randn(1100, k, dtype=dtype, seed=15), randn(n, k, dtype=dtype, seed=16)
+        x[::3] = 0.0
+        x[1::3] = -0.0
+        assert torch.signbit(x[1::3]).all() and not torch.signbit(x[::3]).any()
+        y = ops.det_gemm(x, w, None)
+        assert not y[::3].any() and not y[1::3].any()
+        for m in (40, 256, 300, 1000):
+            xm = x[:m]
+            flat = ops._det_gemm_plans(xm, w)
+            plans = [tuple(flat[i:i + 4]) for i in range(0, len(flat), 4)]
+            for plan in plans:
+                out = ops._det_gemm_on_plan(xm, w, list(plan))
+                assert torch.equal(out.view(torch.int16), y[:m].view(torch.int16)), (n, k, m, plan)
+
+
 def test_det_gemm_on_plan_refuses_what_it_cannot_run(ops):
     x, w = randn(4, 64), randn(4096, 64)
     with pytest.raises(RuntimeError, match=r"not a plan of x .*take one that _det_gemm_plans lists"):

@@ -98,7 +98,8 @@ int main() {
                           {1024, 1024, 4096}, {300, 6144, 2560}, {8, 6144, 4096}, {16, 6144, 2560},
                           {32, 6144, 4096}, {8, 4096, 4096}, {8, 12288, 4096}, {8, 1024, 4096},
                           {128, 1024, 2560}, {192, 1024, 2560}, {256, 1024, 2560}, {96, 1024, 4096},
-                          {128, 1024, 4096}, {128, 2560, 4096}};
+                          {128, 1024, 4096}, {128, 2560, 4096}, {193, 1024, 2560}, {256, 1024, 4096},
+                          {256, 2560, 4096}};
   for (const auto& c : cases) {
     const GemmPlan p = plan_det_gemm(c[0], c[1], c[2], 132, true);
     std::printf("%d %d %d %dx%d%s%s\n", c[0], c[1], c[2], p.tile.bm, p.tile.bn, p.tile.swap ? " swapped" : "",
@@ -123,7 +124,10 @@ def test_picks_measured_on_a_sweep(tmp_path):
     keep 32. From M = 65 with K split across CTAs, 4B's KV projection (80 items of the 128-row
     tiles) runs swapped 64 x 64 tiles while their items fit in one pass (160 at M = 128, 240 at
     192; at 256, 320 do not): 6-12% and 15-20% faster in every H100 sweep. 8B's (96 items) and the
-    o projection (120) keep theirs: 8B's swapped was 12-18% slower at M = 96-100."""
+    o projection (120) keep theirs: 8B's swapped was 12-18% slower at M = 96-100. Past that, at
+    M = 193-256, 4B's KV projection runs 64 x 32 tiles with the ranges met in the CTA (128 tiles,
+    three an SM): 0.84 of cuBLAS against 0.71 at M = 256 (split_probe/); 8B's and the o projection
+    keep 128 x 128 across CTAs."""
     out = build_and_run(tmp_path, "picks", PICKS)
     assert out.splitlines() == [
         "1030 1024 4096 128x128", "1030 1024 2560 128x128", "1025 1024 4096 128x128",
@@ -131,8 +135,9 @@ def test_picks_measured_on_a_sweep(tmp_path):
         "8 6144 4096 16x8 swapped", "16 6144 2560 16x16 swapped", "32 6144 4096 32x32 swapped",
         "8 4096 4096 32x8 swapped", "8 12288 4096 32x8 swapped", "8 1024 4096 32x8 swapped across",
         "128 1024 2560 64x64 swapped across", "192 1024 2560 64x64 swapped across",
-        "256 1024 2560 128x128 across", "96 1024 4096 128x64 across", "128 1024 4096 128x64 across",
-        "128 2560 4096 128x64 across"], out
+        "256 1024 2560 64x32", "96 1024 4096 128x64 across", "128 1024 4096 128x64 across",
+        "128 2560 4096 128x64 across", "193 1024 2560 64x32", "256 1024 4096 128x128 across",
+        "256 2560 4096 128x128 across"], out
 
 
 PAIRS = r"""

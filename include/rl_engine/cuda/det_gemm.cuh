@@ -59,9 +59,11 @@ constexpr int kSmPerSmem = 233472;  // shared memory of one SM, 1 KB of it reser
 constexpr int kSlackBytes = 64 * kRowBytes;
 constexpr int kOverhead = kSlackBytes + 2 * kMaxStages * 8 + 1024;  // + barriers, alignment
 // Resident CTAs per SM of a one-warpgroup tile (registers allow 4 below 64 columns): at small M a
-// row's K chain is a sequence of dependent wgmma, so an SM runs several tiles' chains at once.
-__host__ __device__ constexpr int gemm_max_occupancy(int consumers, int bn) {
-  return consumers == 2 ? 1 : bn >= 64 ? 2 : 4;
+// row's K chain is a sequence of dependent wgmma, so an SM runs several tiles' chains at once. A
+// 32-column tile that keeps a running sum beside its accumulator (two) takes 3: at 4 its 64
+// registers a thread spilled 104-112 bytes (ptxas -v).
+__host__ __device__ constexpr int gemm_max_occupancy(int consumers, int bn, bool two = false) {
+  return consumers == 2 ? 1 : bn >= 64 ? 2 : two ? 3 : 4;
 }
 constexpr int kGroupM = 16;  // tile order: 16 row blocks per band, for L2 reuse of B
 }  // namespace gemm_cfg
@@ -130,7 +132,7 @@ __device__ __forceinline__ Epi epilogue_for_split(const Epi& epi, int s) {
 // tile's last row).
 template <int kBM, int kBN, int kSubs, bool kHalf, bool kTA, bool kTB, bool kTwo, typename Epi>
 __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
-                                  gemm_cfg::gemm_max_occupancy(kBM > 64 ? 2 : 1, kBN))
+                                  gemm_cfg::gemm_max_occupancy(kBM > 64 ? 2 : 1, kBN, kTwo))
     rlk_det_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                              const __grid_constant__ CUtensorMap map_b, int m, int n, int k,
                              const GemmRing ring, const Epi epi, bool stream_dependents,
@@ -241,8 +243,15 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
 
   if constexpr (kConsumers == 2) ptx::setmaxnreg_inc<240>();  // one warpgroup fits as compiled
   const int c = wg - 1;
+  // kTwo: a CTA that runs all of a tile's K ranges keeps their running sum in `sum`. On the 128-row
+  // tiles of 32 or 64 columns a range's products go to `acc` and `alt` in turn: the next range's
+  // wgmma are issued while the last one's sum joins the running sum, instead of draining the
+  // pipeline at every range boundary. The additions are the same, in the same order. At 128
+  // columns the three accumulators (192 registers) spill past the 168 that ptxas allots a thread
+  // of a 384-thread CTA.
+  constexpr bool kAlternate = kTwo && kConsumers == 2 && kBN <= 64;
   float acc[kBN / 2];
-  // kTwo: a CTA that runs all of a tile's K ranges keeps their running sum here.
+  float alt[kAlternate ? kBN / 2 : 1];
   float sum[kTwo ? kBN / 2 : 1];
   int s = 0;
   uint32_t phase = 0;
@@ -252,64 +261,111 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
     ptx::mbar_arrive(empty(stage));
     if (paired) ptx::mbar_arrive_cluster(empty(stage), rank ^ 1u);
   };
+  int held = -1;  // the stage whose products may still be in flight
+  // One stage's products into `into` (kAlternate: from d = a . b where `fresh`, the first stage of a
+  // range); on return every earlier group is done and its slot free.
+  auto stage = [&](float (&into)[kBN / 2], bool fresh) {
+    ptx::mbar_wait(full(s), phase);
+    const uint32_t st = base + s * ring.stage_bytes;
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < kSubs; ++j) {
+      const uint32_t a = st + j * ring.a_bytes + c * kPanelBytes;
+      const uint32_t b = st + b_off + j * ring.b_bytes;
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        // A k16 step is 32 bytes along a K-major row, 16 rows (2 KB) down an MN-major panel.
+        const uint64_t da = kTA ? ptx::smem_desc_sw128_mn(a + 16 * kRowBytes * kk, kPanelBytes)
+                                : ptx::smem_desc_sw128(a + 32 * kk);
+        const uint64_t db = kTB ? ptx::smem_desc_sw128_mn(b + 16 * kRowBytes * kk, kPanelBytes)
+                                : ptx::smem_desc_sw128(b + 32 * kk);
+        if constexpr (kAlternate) {
+          if (j == 0 && kk == 0) {
+            ptx::wgmma_gemm_fresh<kBN, kHalf, kTA, kTB>(into, da, db, !fresh);
+            continue;
+          }
+        }
+        ptx::wgmma_gemm<kBN, kHalf, kTA, kTB>(into, da, db);
+      }
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<1>();  // the previous stage's products are done: free its slot
+    if (held >= 0) release(held);
+    held = s;
+    if (++s == ring.stages) s = 0, phase ^= 1u;
+  };
+  // The running sum takes a finished range's products (the first range's are it, plus 0 where the
+  // range started without zeroing: a zeroed accumulator turns a sum of -0 products into +0).
+  auto join = [&](float (&done)[kBN / 2], bool first_range) {
+#pragma unroll
+    for (int i = 0; i < kBN / 2; ++i) {
+      ptx::reg_fence(done[i]);
+      sum[i] = !first_range ? __fadd_rn(sum[i], done[i]) : kAlternate ? ptx::plus_zero(done[i]) : done[i];
+    }
+  };
   for (int item = first_item; item < split.items; item += item_stride) {
     int tile, first, end, mb, nb;
     ranges(item, tile, first, end);
     coords(tile, mb, nb);
-#pragma unroll
-    for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.f;
-    int held = -1;  // the stage whose products may still be in flight
     const int kb_end = min(k_iters, end * split.blocks);
-    int join = (first + 1) * split.blocks;  // where the next range starts (kTwo)
-    for (int kb = first * split.blocks; kb < kb_end;) {
-      ptx::mbar_wait(full(s), phase);
-      const uint32_t st = base + s * ring.stage_bytes;
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < kSubs; ++j) {
-        const uint32_t a = st + j * ring.a_bytes + c * kPanelBytes;
-        const uint32_t b = st + b_off + j * ring.b_bytes;
-#pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk) {
-          // A k16 step is 32 bytes along a K-major row, 16 rows (2 KB) down an MN-major panel.
-          const uint64_t da = kTA ? ptx::smem_desc_sw128_mn(a + 16 * kRowBytes * kk, kPanelBytes)
-                                  : ptx::smem_desc_sw128(a + 32 * kk);
-          const uint64_t db = kTB ? ptx::smem_desc_sw128_mn(b + 16 * kRowBytes * kk, kPanelBytes)
-                                  : ptx::smem_desc_sw128(b + 32 * kk);
-          ptx::wgmma_gemm<kBN, kHalf, kTA, kTB>(acc, da, db);
+    if constexpr (kAlternate) {
+      // Range r into `into`, joining range r - 1 (`done`) once this range's first stage is issued.
+      auto range = [&](float (&into)[kBN / 2], float (&done)[kBN / 2], int r) {
+        const int kb0 = r * split.blocks, kb1 = min(kb_end, kb0 + split.blocks);
+        for (int kb = kb0; kb < kb1; kb += kSubs) {
+          stage(into, kb == kb0);
+          if (r > 0 && kb == kb0) join(done, r == 1);
         }
+      };
+      const int count = (kb_end + split.blocks - 1) / split.blocks;
+      int r = 0;
+      for (; r + 2 <= count; r += 2) {
+        range(acc, alt, r);
+        range(alt, acc, r + 1);
       }
-      ptx::wgmma_commit();
-      ptx::wgmma_wait<1>();  // the previous stage's products are done: free its slot
+      if (r < count) range(acc, alt, r);
+      ptx::wgmma_wait<0>();
       if (held >= 0) release(held);
-      held = s;
-      if (++s == ring.stages) s = 0, phase ^= 1u;
-      kb += kSubs;
-      if constexpr (kTwo) {
-        // A range ends before the tile does: its sum joins the running sum (the first one is it),
-        // and the accumulator starts again from zero. The last range joins after the loop.
-        if (kb == join && kb < kb_end) {
-          ptx::wgmma_wait<0>();
-          release(held);
-          held = -1;
+      held = -1;
+      // The last range, in `alt` when the count is even, is added after the running sum.
 #pragma unroll
-          for (int i = 0; i < kBN / 2; ++i) {
-            ptx::reg_fence(acc[i]);
-            sum[i] = join == split.blocks ? acc[i] : __fadd_rn(sum[i], acc[i]);
-            acc[i] = 0.f;
+      for (int i = 0; i < kBN / 2; ++i) {
+        ptx::reg_fence(acc[i]);
+        ptx::reg_fence(alt[i]);
+        const float last = count % 2 == 0 ? alt[i] : acc[i];
+        acc[i] = count > 1 ? __fadd_rn(sum[i], last) : ptx::plus_zero(last);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.f;
+      int next = (first + 1) * split.blocks;  // where the next range starts (kTwo)
+      for (int kb = first * split.blocks; kb < kb_end;) {
+        stage(acc, false);
+        kb += kSubs;
+        if constexpr (kTwo) {
+          // A range ends before the tile does: its sum joins the running sum, and the accumulator
+          // starts again from zero. The last range joins after the loop.
+          if (kb == next && kb < kb_end) {
+            ptx::wgmma_wait<0>();
+            release(held);
+            held = -1;
+            join(acc, next == split.blocks);
+#pragma unroll
+            for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.f;
+            next += split.blocks;
           }
-          join += split.blocks;
         }
       }
-    }
-    ptx::wgmma_wait<0>();
-    if (held >= 0) release(held);
+      ptx::wgmma_wait<0>();
+      if (held >= 0) release(held);
+      held = -1;
 #pragma unroll
-    for (int i = 0; i < kBN / 2; ++i) ptx::reg_fence(acc[i]);
-    if constexpr (kTwo) {
-      if (kb_end > split.blocks) {
+      for (int i = 0; i < kBN / 2; ++i) ptx::reg_fence(acc[i]);
+      if constexpr (kTwo) {
+        if (kb_end > split.blocks) {
 #pragma unroll
-        for (int i = 0; i < kBN / 2; ++i) acc[i] = __fadd_rn(sum[i], acc[i]);
+          for (int i = 0; i < kBN / 2; ++i) acc[i] = __fadd_rn(sum[i], acc[i]);
+        }
       }
     }
     const int row_end = (mb + 1) * kBM < m ? (mb + 1) * kBM : m;
@@ -680,7 +736,7 @@ inline int gemm_ring_bytes(int occupancy) {
 // that exist (m rounded up to 8) when m is below the tile height; `subs` K blocks a stage; as many
 // stages as fit. A launch with fewer tiles than resident slots runs fewer CTAs an SM, each with a
 // deeper ring: a weight stream is paced by the bytes in flight per SM.
-inline GemmRing gemm_ring(int bm, int bn, int subs, int m, int64_t tiles, int num_sms) {
+inline GemmRing gemm_ring(int bm, int bn, int subs, int m, int64_t tiles, int num_sms, bool two = false) {
   using namespace gemm_cfg;
   GemmRing r{};
   r.a_rows = m >= bm ? bm : (m + 7) / 8 * 8;
@@ -688,7 +744,7 @@ inline GemmRing gemm_ring(int bm, int bn, int subs, int m, int64_t tiles, int nu
   r.b_bytes = static_cast<uint32_t>(bn * kRowBytes);
   r.stage_bytes = subs * (r.a_bytes + r.b_bytes);
   const int64_t per_sm = (tiles + num_sms - 1) / num_sms;
-  const int most = gemm_max_occupancy(bm > 64 ? 2 : 1, bn);
+  const int most = gemm_max_occupancy(bm > 64 ? 2 : 1, bn, two);
   // The most resident CTAs useful (and allowed) that still leave each a ring of 4 stages (one where
   // nothing else fits).
   for (r.occupancy = per_sm < most ? static_cast<int>(per_sm) : most;; r.occupancy /= 2) {
@@ -885,11 +941,25 @@ inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms, bool split_k) {
     // H100 sweep in benchmarks/results/h100/, 6-12% faster at M = 128 and 15-20% at M = 192, -3%
     // to +6% at M = 96-100. 8B's (96 items) keeps its tile: swapped, it was 12-18% slower at
     // M = 96-100 and 0-8% faster at 128; the o and down projections (120 items) keep theirs.
+    // Where those slabs no longer fit at once (4B's KV projection at M = 193-256: 320), 64 x 32
+    // tiles that run every range in the CTA, three an SM, where they busy nine in ten SMs in one
+    // pass (128 tiles at N = 1024): at M = 256 0.84 of cuBLAS against the pick's 0.71 (one H100,
+    // benchmarks/results/h100/split_probe/), 0.77-0.79 against 0.71-0.73 before that tile stopped
+    // spilling (benchmarks/results/h100/swing/ and 369419d/).
     if (m > 64) {
       const GemmTile& c = p.tile;
       const int64_t items = static_cast<int64_t>((m + c.bm - 1) / c.bm) * ((n * p.split.splits + c.bn - 1) / c.bn);
       const int64_t slabs = static_cast<int64_t>((n + 63) / 64) * p.split.splits * ((m + 63) / 64);
-      if (3 * items < 2 * num_sms && gemm_one_resident_pass(slabs, 64, num_sms)) p.tile = {64, 64, true};
+      const int64_t narrow_tiles = static_cast<int64_t>((m + 63) / 64) * ((n + 31) / 32);
+      if (3 * items < 2 * num_sms) {
+        if (gemm_one_resident_pass(slabs, 64, num_sms)) {
+          p.tile = {64, 64, true};
+        } else if (10 * narrow_tiles >= 9 * num_sms &&
+                   narrow_tiles <= static_cast<int64_t>(num_sms) * gemm_cfg::gemm_max_occupancy(1, 32, true)) {
+          p.tile = {64, 32, false};
+          return p;  // the ranges met within each CTA: no workspace
+        }
+      }
     }
     p.split.across = true;
     p.scratch_floats = static_cast<int64_t>(p.split.splits) * m * n;
@@ -1040,7 +1110,7 @@ cudaError_t launch_det_gemm_grid(const GemmOperands& op, const Epi& epi, const G
   const int64_t tiles = static_cast<int64_t>(m_blocks) * n_blocks;
   const int64_t items = split.across ? tiles * split.splits : tiles;
   // An MN-major A always takes whole 64-row panels (zero-filled past m).
-  const GemmRing ring = gemm_ring(kBM, kBN, kSubs, kTA && op.m < kBM ? kBM : op.m, items, num_sms);
+  const GemmRing ring = gemm_ring(kBM, kBN, kSubs, kTA && op.m < kBM ? kBM : op.m, items, num_sms, kTwo);
   auto kernel = op.dtype == DType::kF16 ? rlk_det_gemm_sm90_kernel<kBM, kBN, kSubs, true, kTA, kTB, kTwo, Epi>
                                         : rlk_det_gemm_sm90_kernel<kBM, kBN, kSubs, false, kTA, kTB, kTwo, Epi>;
   const int smem = ring.stages * static_cast<int>(ring.stage_bytes) + kOverhead;
