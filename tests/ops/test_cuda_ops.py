@@ -108,9 +108,10 @@ def test_det_gemm_every_plan_gives_the_same_bits(ops, n, k, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_det_gemm_zero_rows_keep_their_sign_on_every_plan(ops, dtype):
     """Rows of x that are all +0 or all -0 against a weight of both signs make every product a signed
-    zero. The 128-row tiles of 32 and 64 columns start each K range from d = a . b instead of a
-    zeroed accumulator, where a sum of -0 products could stay -0: every plan must still give the
-    pick's bits, compared as integers (torch.equal takes -0 for +0). K in 5 and in 6 ranges."""
+    zero, and a plan that started a K range or added the ranges otherwise (from d = a . b rather
+    than a zeroed accumulator, or -0 range sums added without a +0) would give -0 where another
+    gives +0. Every plan must give the pick's bits, compared as integers (torch.equal takes -0 for
+    +0). K in 5 and in 6 ranges."""
     for n, k in ((1024, 2560), (1000, 4096)):
         x, w = randn(1100, k, dtype=dtype, seed=15), randn(n, k, dtype=dtype, seed=16)
         x[::3] = 0.0

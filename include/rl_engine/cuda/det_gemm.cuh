@@ -243,15 +243,8 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
 
   if constexpr (kConsumers == 2) ptx::setmaxnreg_inc<240>();  // one warpgroup fits as compiled
   const int c = wg - 1;
-  // kTwo: a CTA that runs all of a tile's K ranges keeps their running sum in `sum`. On the 128-row
-  // tiles of 32 or 64 columns a range's products go to `acc` and `alt` in turn: the next range's
-  // wgmma are issued while the last one's sum joins the running sum, instead of draining the
-  // pipeline at every range boundary. The additions are the same, in the same order. At 128
-  // columns the three accumulators (192 registers) spill past the 168 that ptxas allots a thread
-  // of a 384-thread CTA.
-  constexpr bool kAlternate = kTwo && kConsumers == 2 && kBN <= 64;
   float acc[kBN / 2];
-  float alt[kAlternate ? kBN / 2 : 1];
+  // kTwo: a CTA that runs all of a tile's K ranges keeps their running sum here.
   float sum[kTwo ? kBN / 2 : 1];
   int s = 0;
   uint32_t phase = 0;
@@ -261,111 +254,64 @@ __global__ void __launch_bounds__(128 * (1 + (kBM > 64 ? 2 : 1)),
     ptx::mbar_arrive(empty(stage));
     if (paired) ptx::mbar_arrive_cluster(empty(stage), rank ^ 1u);
   };
-  int held = -1;  // the stage whose products may still be in flight
-  // One stage's products into `into` (kAlternate: from d = a . b where `fresh`, the first stage of a
-  // range); on return every earlier group is done and its slot free.
-  auto stage = [&](float (&into)[kBN / 2], bool fresh) {
-    ptx::mbar_wait(full(s), phase);
-    const uint32_t st = base + s * ring.stage_bytes;
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int j = 0; j < kSubs; ++j) {
-      const uint32_t a = st + j * ring.a_bytes + c * kPanelBytes;
-      const uint32_t b = st + b_off + j * ring.b_bytes;
-#pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk) {
-        // A k16 step is 32 bytes along a K-major row, 16 rows (2 KB) down an MN-major panel.
-        const uint64_t da = kTA ? ptx::smem_desc_sw128_mn(a + 16 * kRowBytes * kk, kPanelBytes)
-                                : ptx::smem_desc_sw128(a + 32 * kk);
-        const uint64_t db = kTB ? ptx::smem_desc_sw128_mn(b + 16 * kRowBytes * kk, kPanelBytes)
-                                : ptx::smem_desc_sw128(b + 32 * kk);
-        if constexpr (kAlternate) {
-          if (j == 0 && kk == 0) {
-            ptx::wgmma_gemm_fresh<kBN, kHalf, kTA, kTB>(into, da, db, !fresh);
-            continue;
-          }
-        }
-        ptx::wgmma_gemm<kBN, kHalf, kTA, kTB>(into, da, db);
-      }
-    }
-    ptx::wgmma_commit();
-    ptx::wgmma_wait<1>();  // the previous stage's products are done: free its slot
-    if (held >= 0) release(held);
-    held = s;
-    if (++s == ring.stages) s = 0, phase ^= 1u;
-  };
-  // The running sum takes a finished range's products (the first range's are it, plus 0 where the
-  // range started without zeroing: a zeroed accumulator turns a sum of -0 products into +0).
-  auto join = [&](float (&done)[kBN / 2], bool first_range) {
-#pragma unroll
-    for (int i = 0; i < kBN / 2; ++i) {
-      ptx::reg_fence(done[i]);
-      sum[i] = !first_range ? __fadd_rn(sum[i], done[i]) : kAlternate ? ptx::plus_zero(done[i]) : done[i];
-    }
-  };
   for (int item = first_item; item < split.items; item += item_stride) {
     int tile, first, end, mb, nb;
     ranges(item, tile, first, end);
     coords(tile, mb, nb);
+#pragma unroll
+    for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.f;
+    int held = -1;  // the stage whose products may still be in flight
     const int kb_end = min(k_iters, end * split.blocks);
-    if constexpr (kAlternate) {
-      // Range r into `into`, joining range r - 1 (`done`) once this range's first stage is issued.
-      auto range = [&](float (&into)[kBN / 2], float (&done)[kBN / 2], int r) {
-        const int kb0 = r * split.blocks, kb1 = min(kb_end, kb0 + split.blocks);
-        for (int kb = kb0; kb < kb1; kb += kSubs) {
-          stage(into, kb == kb0);
-          if (r > 0 && kb == kb0) join(done, r == 1);
-        }
-      };
-      const int count = (kb_end + split.blocks - 1) / split.blocks;
-      int r = 0;
-      for (; r + 2 <= count; r += 2) {
-        range(acc, alt, r);
-        range(alt, acc, r + 1);
-      }
-      if (r < count) range(acc, alt, r);
-      ptx::wgmma_wait<0>();
-      if (held >= 0) release(held);
-      held = -1;
-      // The last range, in `alt` when the count is even, is added after the running sum.
+    int join = (first + 1) * split.blocks;  // where the next range starts (kTwo)
+    for (int kb = first * split.blocks; kb < kb_end;) {
+      ptx::mbar_wait(full(s), phase);
+      const uint32_t st = base + s * ring.stage_bytes;
+      ptx::wgmma_fence();
 #pragma unroll
-      for (int i = 0; i < kBN / 2; ++i) {
-        ptx::reg_fence(acc[i]);
-        ptx::reg_fence(alt[i]);
-        const float last = count % 2 == 0 ? alt[i] : acc[i];
-        acc[i] = count > 1 ? __fadd_rn(sum[i], last) : ptx::plus_zero(last);
-      }
-    } else {
+      for (int j = 0; j < kSubs; ++j) {
+        const uint32_t a = st + j * ring.a_bytes + c * kPanelBytes;
+        const uint32_t b = st + b_off + j * ring.b_bytes;
 #pragma unroll
-      for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.f;
-      int next = (first + 1) * split.blocks;  // where the next range starts (kTwo)
-      for (int kb = first * split.blocks; kb < kb_end;) {
-        stage(acc, false);
-        kb += kSubs;
-        if constexpr (kTwo) {
-          // A range ends before the tile does: its sum joins the running sum, and the accumulator
-          // starts again from zero. The last range joins after the loop.
-          if (kb == next && kb < kb_end) {
-            ptx::wgmma_wait<0>();
-            release(held);
-            held = -1;
-            join(acc, next == split.blocks);
-#pragma unroll
-            for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.f;
-            next += split.blocks;
-          }
+        for (int kk = 0; kk < kBK / 16; ++kk) {
+          // A k16 step is 32 bytes along a K-major row, 16 rows (2 KB) down an MN-major panel.
+          const uint64_t da = kTA ? ptx::smem_desc_sw128_mn(a + 16 * kRowBytes * kk, kPanelBytes)
+                                  : ptx::smem_desc_sw128(a + 32 * kk);
+          const uint64_t db = kTB ? ptx::smem_desc_sw128_mn(b + 16 * kRowBytes * kk, kPanelBytes)
+                                  : ptx::smem_desc_sw128(b + 32 * kk);
+          ptx::wgmma_gemm<kBN, kHalf, kTA, kTB>(acc, da, db);
         }
       }
-      ptx::wgmma_wait<0>();
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<1>();  // the previous stage's products are done: free its slot
       if (held >= 0) release(held);
-      held = -1;
-#pragma unroll
-      for (int i = 0; i < kBN / 2; ++i) ptx::reg_fence(acc[i]);
+      held = s;
+      if (++s == ring.stages) s = 0, phase ^= 1u;
+      kb += kSubs;
       if constexpr (kTwo) {
-        if (kb_end > split.blocks) {
+        // A range ends before the tile does: its sum joins the running sum (the first one is it),
+        // and the accumulator starts again from zero. The last range joins after the loop.
+        if (kb == join && kb < kb_end) {
+          ptx::wgmma_wait<0>();
+          release(held);
+          held = -1;
 #pragma unroll
-          for (int i = 0; i < kBN / 2; ++i) acc[i] = __fadd_rn(sum[i], acc[i]);
+          for (int i = 0; i < kBN / 2; ++i) {
+            ptx::reg_fence(acc[i]);
+            sum[i] = join == split.blocks ? acc[i] : __fadd_rn(sum[i], acc[i]);
+            acc[i] = 0.f;
+          }
+          join += split.blocks;
         }
+      }
+    }
+    ptx::wgmma_wait<0>();
+    if (held >= 0) release(held);
+#pragma unroll
+    for (int i = 0; i < kBN / 2; ++i) ptx::reg_fence(acc[i]);
+    if constexpr (kTwo) {
+      if (kb_end > split.blocks) {
+#pragma unroll
+        for (int i = 0; i < kBN / 2; ++i) acc[i] = __fadd_rn(sum[i], acc[i]);
       }
     }
     const int row_end = (mb + 1) * kBM < m ? (mb + 1) * kBM : m;
@@ -943,9 +889,11 @@ inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms, bool split_k) {
     // M = 96-100 and 0-8% faster at 128; the o and down projections (120 items) keep theirs.
     // Where those slabs no longer fit at once (4B's KV projection at M = 193-256: 320), 64 x 32
     // tiles that run every range in the CTA, three an SM, where they busy nine in ten SMs in one
-    // pass (128 tiles at N = 1024): at M = 256 0.84 of cuBLAS against the pick's 0.71 (one H100,
-    // benchmarks/results/h100/split_probe/), 0.77-0.79 against 0.71-0.73 before that tile stopped
-    // spilling (benchmarks/results/h100/swing/ and 369419d/).
+    // pass (128 tiles at N = 1024): on one H100 0.79 of cuBLAS against 0.69 on 128 x 128 across
+    // CTAs at M = 256, 0.78 against 0.74 at 193 (benchmarks/results/h100/4553bb4/), and faster at
+    // M = 256 in 10 of the 11 earlier sweeps in benchmarks/results/h100/ (by 1.3-19%), where that
+    // tile still spilled in all but split_probe/. At 114 or 78 SMs it moves other untimed picks
+    // (N = 768-3072, M = 65-256).
     if (m > 64) {
       const GemmTile& c = p.tile;
       const int64_t items = static_cast<int64_t>((m + c.bm - 1) / c.bm) * ((n * p.split.splits + c.bn - 1) / c.bn);

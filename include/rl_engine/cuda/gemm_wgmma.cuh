@@ -87,66 +87,7 @@ __device__ __forceinline__ void wgmma_gemm(float (&d)[N / 2], uint64_t desc_a, u
 #endif
 }
 
-// The first k16 step of a K range on the tiles that alternate two accumulators (32, 64 or 128
-// columns): scale-d = `keep` (a predicate), so a range starts from d = a . b without zeroing d
-// first. Zeroing would define an accumulator's registers while the other one's products are in
-// flight, and ptxas then serializes every wgmma of the kernel (C7515). Where the products of a
-// range are all zeros their sign may differ from those of a zeroed accumulator: the caller adds
-// +0 (see det_gemm's join).
-#define RLK_GW_FRESH(SHAPE, TYPE, OUTS, A, B, KEEP, TA, TB) \
-  "{\n.reg .pred p;\nsetp.ne.b32 p, " KEEP ", 0;\nwgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE \
-  " {" OUTS "}, " A ", " B ", p, 1, 1, " TA ", " TB ";\n}"
-#define RLK_GW_OUTS32 \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define RLK_GW_OUTS64 RLK_GW_OUTS32 ", " \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-#define RLK_GW_REGS32(d) RLK_GW_R8(d, 0), RLK_GW_R8(d, 8), RLK_GW_R8(d, 16), RLK_GW_R8(d, 24)
-#define RLK_GW_REGS64(d) RLK_GW_REGS32(d), RLK_GW_R8(d, 32), RLK_GW_R8(d, 40), RLK_GW_R8(d, 48), RLK_GW_R8(d, 56)
-#define RLK_GW_FRESH_NARROW(TYPE)                                                                         \
-  asm volatile(RLK_GW_FRESH("m64n32k16", TYPE, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, " \
-                            "%14, %15", "%16", "%17", "%18", "0", "0")                                        \
-               : RLK_GW_REGS16(d) : "l"(desc_a), "l"(desc_b), "r"(k))
-#define RLK_GW_FRESH_64(TYPE)                                                                 \
-  asm volatile(RLK_GW_FRESH("m64n64k16", TYPE, RLK_GW_OUTS32, "%32", "%33", "%34", "%35", "%36") \
-               : RLK_GW_REGS32(d) : "l"(desc_a), "l"(desc_b), "r"(k), "n"(int{kTA}), "n"(int{kTB}))
-#define RLK_GW_FRESH_128(TYPE)                                                                 \
-  asm volatile(RLK_GW_FRESH("m64n128k16", TYPE, RLK_GW_OUTS64, "%64", "%65", "%66", "%67", "%68") \
-               : RLK_GW_REGS64(d) : "l"(desc_a), "l"(desc_b), "r"(k), "n"(int{kTA}), "n"(int{kTB}))
-template <int N, bool kHalf, bool kTA = false, bool kTB = false>
-__device__ __forceinline__ void wgmma_gemm_fresh(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, bool keep) {
-#ifdef RLK_NO_SM90A
-  __trap();
-#else
-  static_assert(N == 32 || N == 64 || N == 128, "wgmma_gemm_fresh: N is 32, 64 or 128");
-  static_assert(N >= 64 || !(kTA || kTB), "wgmma_gemm_fresh: MN-major operands only at N >= 64");
-  const int k = keep;
-  if constexpr (N == 32 && kHalf) {
-    RLK_GW_FRESH_NARROW("f16");
-  } else if constexpr (N == 32) {
-    RLK_GW_FRESH_NARROW("bf16");
-  } else if constexpr (N == 64 && kHalf) {
-    RLK_GW_FRESH_64("f16");
-  } else if constexpr (N == 64) {
-    RLK_GW_FRESH_64("bf16");
-  } else if constexpr (kHalf) {
-    RLK_GW_FRESH_128("f16");
-  } else {
-    RLK_GW_FRESH_128("bf16");
-  }
-#endif
-}
-#undef RLK_GW_FRESH_128
-#undef RLK_GW_FRESH_64
-#undef RLK_GW_FRESH_NARROW
-#undef RLK_GW_REGS64
-#undef RLK_GW_REGS32
-#undef RLK_GW_OUTS64
-#undef RLK_GW_OUTS32
-
 #undef RLK_GW_WIDE
-#undef RLK_GW_FRESH
 #undef RLK_GW_OUTS96
 #undef RLK_GW_OUTS80
 #undef RLK_GW_REGS96

@@ -172,14 +172,6 @@ __device__ __forceinline__ void reg_fence(float& r) { asm volatile("" : "+f"(r):
 // the wait that covers the product.
 __device__ __forceinline__ void reg_fence(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
 
-// x + 0 rounded to nearest, without flushing denormals: x itself but for -0, which becomes +0. In
-// asm, since fast math may fold the addition away in C++.
-__device__ __forceinline__ float plus_zero(float x) {
-  float r;
-  asm("add.rn.f32 %0, %1, 0f00000000;" : "=f"(r) : "f"(x));
-  return r;
-}
-
 template <int R>
 __device__ __forceinline__ void setmaxnreg_inc() {
 #ifndef RLK_NO_SM90A
