@@ -1,8 +1,8 @@
 // det_gemm with K in 1 to 4 ranges against cuBLAS (cublasGemmEx, bf16 in and out, fp32 compute), at
 // the shapes whose K choose_gemm_split leaves in one range (N > 3072) and M = 1 to 8192. Each plan is
-// plan_det_gemm's layout for that range count (plan_with_split repeats its steps with the count
-// given); times are medians of CUDA graphs that cycle through copies of the weight that do not fit
-// in L2 together, as benchmarks/hopper_ops.py times det_gemm. It asks whether the K chain bounds
+// plan_det_gemm's layout for that range count (plan_det_gemm_in with gemm_split_in's ranges); times
+// are medians of CUDA graphs that cycle through copies of the weight that do not fit in L2
+// together, as benchmarks/hopper_ops.py times det_gemm. It asks whether the K chain bounds
 // those shapes at decode sizes (more ranges would shorten it). A second part times the K = 12288
 // shape at M = 1, 2, 4 and 8 on the swapped 32 x 8 tile with A's tensor map declaring the rows
 // that exist or 8 (only the rows that exist stored), for the M = 1-2 rows that run longer than
@@ -33,27 +33,6 @@ static void check(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return;
   std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
   std::exit(1);
-}
-
-static GemmPlan plan_with_split(int m, int n, int k, int sms, int want) {
-  const int units = (k + 255) / 256;
-  want = std::min(want, units);
-  const int per = (units + want - 1) / want;
-  GemmSplit split{(units + per - 1) / per, 4 * per, false, nullptr, 0};
-  GemmPlan p{choose_gemm_tile(m, n, sms), split, 0};
-  if (p.split.splits == 1) return p;
-  const GemmTile& t = p.tile;
-  const int64_t tiles = static_cast<int64_t>((m + t.bm - 1) / t.bm) * ((n + t.bn - 1) / t.bn);
-  if (t.swap || (m <= 256 && tiles <= sms)) {
-    p.tile = choose_gemm_tile(m, n * p.split.splits, sms, p.split.splits);
-    const int64_t narrow = static_cast<int64_t>((n + 31) / 32) * p.split.splits;
-    if (m > 32 && m <= 64 && gemm_one_resident_pass(narrow, 32, sms)) p.tile = {64, 32, false};
-    p.split.across = true;
-    p.scratch_floats = static_cast<int64_t>(p.split.splits) * m * n;
-    return p;
-  }
-  p.tile = gemm_two_sum_tile(t, n);
-  return p;
 }
 
 // Stores rows < rows of the swapped fragment only (A's tensor map may declare more).
@@ -135,8 +114,8 @@ int main() {
       }, calls);
       const GemmPlan pick = plan_det_gemm(m, s.n, s.k, sms, true);
       for (int want = 1; want <= 4; ++want) {
-        const GemmPlan p = plan_with_split(m, s.n, s.k, sms, want);
-        if (want > 1 && p.split.splits == plan_with_split(m, s.n, s.k, sms, want - 1).split.splits) continue;
+        const GemmPlan p = plan_det_gemm_in(m, s.n, sms, gemm_split_in(s.k, want));
+        if (want > 1 && p.split.splits == gemm_split_in(s.k, want - 1).splits) continue;
         const StoreEpilogue<__nv_bfloat16> epi{out, s.n, nullptr, false, true, true, 0};
         const float us = graph_us([&](int i) {
           const GemmOperands op{x, s.k, w[i % copies], s.k, m, s.n, s.k, DType::kBF16};

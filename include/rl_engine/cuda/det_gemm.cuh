@@ -824,9 +824,13 @@ inline bool gemm_reads_mn_major(const GemmTile& t) { return !t.swap && t.bn >= 1
 // since every range boundary drains a large-M tile's wgmma pipeline (measured at e25236c: 8B's KV
 // projection in 6 ranges loses about 10% at M >= 4096; a floor on the range length is the next
 // step, and it will change these shapes' bits).
-inline GemmSplit choose_gemm_split(int n, int k) {
+inline GemmSplit gemm_split_in(int k, int want);
+inline GemmSplit choose_gemm_split(int n, int k) { return gemm_split_in(k, n > 3072 ? 1 : (6144 + n - 1) / n); }
+
+// K in about `want` ranges (at most kMaxSplits, at most one a unit of 4 K blocks) of whole units:
+// choose_gemm_split's count, or another one a probe times (benchmarks/det_gemm_split_probe.cu).
+inline GemmSplit gemm_split_in(int k, int want) {
   const int units = (k + 4 * gemm_cfg::kBK - 1) / (4 * gemm_cfg::kBK);
-  int want = n > 3072 ? 1 : (6144 + n - 1) / n;
   want = want < gemm_cfg::kMaxSplits ? want : gemm_cfg::kMaxSplits;
   want = want < units ? want : units;
   const int per = (units + want - 1) / want;
@@ -865,10 +869,11 @@ struct GemmPlan {
 // (2 splits M N 4 bytes) would cost more than shorter chains win, so each CTA runs its tiles'
 // ranges one after the other on the tile gemm_two_sum_tile makes of choose_gemm_tile's, a running
 // sum beside the accumulator.
-// split_k false keeps K in one range (gemm_no_split) for a product that must repeat the bits of an
+// plan_det_gemm_in lays out K in the ranges `split` gives; plan_det_gemm in choose_gemm_split's, or
+// with split_k false in one range (gemm_no_split) for a product that must repeat the bits of an
 // unsplit kernel.
-inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms, bool split_k) {
-  GemmPlan p{choose_gemm_tile(m, n, num_sms), split_k ? choose_gemm_split(n, k) : gemm_no_split(k), 0};
+inline GemmPlan plan_det_gemm_in(int m, int n, int num_sms, const GemmSplit& split) {
+  GemmPlan p{choose_gemm_tile(m, n, num_sms), split, 0};
   if (p.split.splits == 1) return p;
   const GemmTile& t = p.tile;
   const int64_t tiles = static_cast<int64_t>((m + t.bm - 1) / t.bm) * ((n + t.bn - 1) / t.bn);
@@ -915,6 +920,10 @@ inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms, bool split_k) {
   }
   p.tile = gemm_two_sum_tile(t, n);
   return p;
+}
+
+inline GemmPlan plan_det_gemm(int m, int n, int k, int num_sms, bool split_k) {
+  return plan_det_gemm_in(m, n, num_sms, split_k ? choose_gemm_split(n, k) : gemm_no_split(k));
 }
 
 // The plans the tile choice could make for (m, n, k), plan_det_gemm's pick among them: K in
