@@ -896,7 +896,7 @@ inline GemmPlan plan_det_gemm_in(int m, int n, int num_sms, const GemmSplit& spl
     // tiles that run every range in the CTA, three an SM, where they busy nine in ten SMs in one
     // pass (128 tiles at N = 1024): on one H100 0.79 of cuBLAS against 0.69 on 128 x 128 across
     // CTAs at M = 256, 0.78 against 0.74 at 193 (benchmarks/results/h100/4553bb4/), and faster at
-    // M = 256 in 10 of the 11 earlier sweeps in benchmarks/results/h100/ (by 1.4-19%), where that
+    // M = 256 in 10 of the 11 earlier sweeps in benchmarks/results/h100/ (by 1.3-19%), where that
     // tile still spilled in all but split_probe/. At 114 or 78 SMs it moves other untimed picks
     // (N = 768-3072, M = 65-256).
     if (m > 64) {
