@@ -99,7 +99,7 @@ int main() {
                           {32, 6144, 4096}, {8, 4096, 4096}, {8, 12288, 4096}, {8, 1024, 4096},
                           {128, 1024, 2560}, {192, 1024, 2560}, {256, 1024, 2560}, {96, 1024, 4096},
                           {128, 1024, 4096}, {128, 2560, 4096}, {193, 1024, 2560}, {256, 1024, 4096},
-                          {256, 2560, 4096}};
+                          {256, 2560, 4096}, {192, 1024, 4096}, {129, 1024, 4096}, {192, 2560, 4096}};
   for (const auto& c : cases) {
     const GemmPlan p = plan_det_gemm(c[0], c[1], c[2], 132, true);
     std::printf("%d %d %d %dx%d%s%s\n", c[0], c[1], c[2], p.tile.bm, p.tile.bn, p.tile.swap ? " swapped" : "",
@@ -127,7 +127,10 @@ def test_picks_measured_on_a_sweep(tmp_path):
     o projection (120) keep theirs: 8B's swapped was 12-18% slower at M = 96-100. Past that, at
     M = 193-256, 4B's KV projection runs 64 x 32 tiles with the ranges met in the CTA (128 tiles,
     three an SM): 0.84 of cuBLAS against 0.71 at M = 256 (split_probe/); 8B's and the o projection
-    keep 128 x 128 across CTAs."""
+    keep 128 x 128 across CTAs. 8B's KV projection at M = 129-192, where 128-row tiles leave the
+    second row block at most half used and their 96 items a fifth of the SMs idle, runs 64 x 128
+    across CTAs (144 items, all resident): 0.64 -> 0.75-0.78 at M = 192 in all 11 sweeps; the o
+    projection (120 items) keeps 128 x 128."""
     out = build_and_run(tmp_path, "picks", PICKS)
     assert out.splitlines() == [
         "1030 1024 4096 128x128", "1030 1024 2560 128x128", "1025 1024 4096 128x128",
@@ -137,7 +140,8 @@ def test_picks_measured_on_a_sweep(tmp_path):
         "128 1024 2560 64x64 swapped across", "192 1024 2560 64x64 swapped across",
         "256 1024 2560 64x32", "96 1024 4096 128x64 across", "128 1024 4096 128x64 across",
         "128 2560 4096 128x64 across", "193 1024 2560 64x32", "256 1024 4096 128x128 across",
-        "256 2560 4096 128x128 across"], out
+        "256 2560 4096 128x128 across", "192 1024 4096 64x128 across", "129 1024 4096 64x128 across",
+        "192 2560 4096 128x128 across"], out
 
 
 PAIRS = r"""
