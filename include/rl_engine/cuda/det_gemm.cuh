@@ -916,10 +916,12 @@ inline GemmPlan plan_det_gemm_in(int m, int n, int num_sms, const GemmSplit& spl
                  gemm_one_resident_pass(static_cast<int64_t>((m + 63) / 64) * ((n * p.split.splits + 127) / 128),
                                         128, num_sms)) {
         // At M = 129-192 a 128-row tile leaves its second row block at most half used: 64 x 128
-        // tiles (two CTAs an SM) where the pick's items leave a fifth of the SMs idle and theirs all
-        // fit at once. 8B's KV projection at M = 192 (96 items of 128 x 128, 144 of 64 x 128): 0.64
-        // -> 0.75-0.78 of cuBLAS in all 11 H100 sweeps in benchmarks/results/h100/ that time it. At
-        // M = 256, where both tiles fill their rows, 128 x 128 stays (0.85-0.88 against 0.81-0.82).
+        // tiles (two CTAs an SM) where the pick's items leave more than a fifth of the SMs idle (a
+        // third or more went to the tiles above) and theirs busy every SM and all fit at once. 8B's
+        // KV projection at M = 192 (96 items of 128 x 128, 144 of 64 x 128): 0.64-0.65 -> 0.75-0.78
+        // of cuBLAS in the 11 earlier H100 sweeps in benchmarks/results/h100/ that time it, 0.66 ->
+        // 0.77 at 8f167b9 (and 0.70 -> 0.87 at M = 129). At M = 256, where both tiles fill their
+        // rows, 128 x 128 stays (0.84-0.88 against 0.81-0.82 in those 11 sweeps).
         p.tile = {64, 128, false};
       }
     }
