@@ -701,9 +701,21 @@ inline GemmRing gemm_ring(int bm, int bn, int subs, int m, int64_t tiles, int nu
   return r;
 }
 
-// Whether `items` CTAs of a 64-row tile bn wide busy every SM and are all resident at once.
-inline bool gemm_one_resident_pass(int64_t items, int bn, int num_sms) {
-  return items >= num_sms && items <= static_cast<int64_t>(num_sms) * gemm_cfg::gemm_max_occupancy(1, bn);
+// Whether `items` CTAs of a 64-row tile bn wide (`two`: with a running sum) busy at least
+// `busy_pct` percent of the SMs and are all resident at once.
+inline bool gemm_one_resident_pass(int64_t items, int bn, int num_sms, bool two = false, int busy_pct = 100) {
+  return 100 * items >= static_cast<int64_t>(busy_pct) * num_sms &&
+         items <= static_cast<int64_t>(num_sms) * gemm_cfg::gemm_max_occupancy(1, bn, two);
+}
+
+// K in about `want` ranges (at most kMaxSplits, at most one a unit of 4 K blocks) of whole units:
+// choose_gemm_split's count, or another one a probe times (benchmarks/det_gemm_split_probe.cu).
+inline GemmSplit gemm_split_in(int k, int want) {
+  const int units = (k + 4 * gemm_cfg::kBK - 1) / (4 * gemm_cfg::kBK);
+  want = want < gemm_cfg::kMaxSplits ? want : gemm_cfg::kMaxSplits;
+  want = want < units ? want : units;
+  const int per = (units + want - 1) / want;
+  return {(units + per - 1) / per, 4 * per, false, nullptr, 0};
 }
 
 // The one tile choice of det_gemm (forward and both backward products). It may look at M, N and the
@@ -824,18 +836,7 @@ inline bool gemm_reads_mn_major(const GemmTile& t) { return !t.swap && t.bn >= 1
 // since every range boundary drains a large-M tile's wgmma pipeline (measured at e25236c: 8B's KV
 // projection in 6 ranges loses about 10% at M >= 4096; a floor on the range length is the next
 // step, and it will change these shapes' bits).
-inline GemmSplit gemm_split_in(int k, int want);
 inline GemmSplit choose_gemm_split(int n, int k) { return gemm_split_in(k, n > 3072 ? 1 : (6144 + n - 1) / n); }
-
-// K in about `want` ranges (at most kMaxSplits, at most one a unit of 4 K blocks) of whole units:
-// choose_gemm_split's count, or another one a probe times (benchmarks/det_gemm_split_probe.cu).
-inline GemmSplit gemm_split_in(int k, int want) {
-  const int units = (k + 4 * gemm_cfg::kBK - 1) / (4 * gemm_cfg::kBK);
-  want = want < gemm_cfg::kMaxSplits ? want : gemm_cfg::kMaxSplits;
-  want = want < units ? want : units;
-  const int per = (units + want - 1) / want;
-  return {(units + per - 1) / per, 4 * per, false, nullptr, 0};
-}
 
 // K in one range: the order of an epilogue that is not split (linear_logp's fused tiles).
 inline GemmSplit gemm_no_split(int k) { return {1, (k + gemm_cfg::kBK - 1) / gemm_cfg::kBK, false, nullptr, 0}; }
@@ -907,8 +908,7 @@ inline GemmPlan plan_det_gemm_in(int m, int n, int num_sms, const GemmSplit& spl
       if (3 * items < 2 * num_sms) {
         if (gemm_one_resident_pass(slabs, 64, num_sms)) {
           p.tile = {64, 64, true};
-        } else if (10 * narrow_tiles >= 9 * num_sms &&
-                   narrow_tiles <= static_cast<int64_t>(num_sms) * gemm_cfg::gemm_max_occupancy(1, 32, true)) {
+        } else if (gemm_one_resident_pass(narrow_tiles, 32, num_sms, true, 90)) {
           p.tile = {64, 32, false};
           return p;  // the ranges met within each CTA: no workspace
         }
