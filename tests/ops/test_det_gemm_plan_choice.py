@@ -99,7 +99,8 @@ int main() {
                           {32, 6144, 4096}, {8, 4096, 4096}, {8, 12288, 4096}, {8, 1024, 4096},
                           {128, 1024, 2560}, {192, 1024, 2560}, {256, 1024, 2560}, {96, 1024, 4096},
                           {128, 1024, 4096}, {128, 2560, 4096}, {193, 1024, 2560}, {256, 1024, 4096},
-                          {256, 2560, 4096}, {192, 1024, 4096}, {129, 1024, 4096}, {192, 2560, 4096}};
+                          {256, 2560, 4096}, {192, 1024, 4096}, {129, 1024, 4096}, {192, 2560, 4096},
+                          {129, 2560, 4096}, {192, 2560, 9728}, {256, 2560, 9728}};
   for (const auto& c : cases) {
     const GemmPlan p = plan_det_gemm(c[0], c[1], c[2], 132, true);
     std::printf("%d %d %d %dx%d%s%s\n", c[0], c[1], c[2], p.tile.bm, p.tile.bn, p.tile.swap ? " swapped" : "",
@@ -130,7 +131,11 @@ def test_picks_measured_on_a_sweep(tmp_path):
     keep 128 x 128 across CTAs. 8B's KV projection at M = 129-192, where 128-row tiles leave the
     second row block at most half used and their 96 items more than a fifth of the SMs idle (36 of
     132), runs 64 x 128 across CTAs (144 items, all resident): 0.64-0.65 -> 0.75-0.78 at M = 192 in
-    the 11 earlier sweeps, 0.66 -> 0.77 at 8f167b9; the o projection (120 items) keeps 128 x 128."""
+    the 11 earlier sweeps, 0.66 -> 0.77 at 8f167b9. So does 4B's o projection there (120 items,
+    12 SMs idle), whose ranges are short (24 K blocks): 8-12% faster at M = 192 in 9 of those 11
+    sweeps, 11-13% at M = 129-160 and 2-6% at 192 in two at 8f167b9; its down projection, whose
+    ranges are 52 blocks and which was 5-9% slower on 64 x 128 at M = 192, keeps 128 x 128, as
+    both do at 256."""
     out = build_and_run(tmp_path, "picks", PICKS)
     assert out.splitlines() == [
         "1030 1024 4096 128x128", "1030 1024 2560 128x128", "1025 1024 4096 128x128",
@@ -141,7 +146,8 @@ def test_picks_measured_on_a_sweep(tmp_path):
         "256 1024 2560 64x32", "96 1024 4096 128x64 across", "128 1024 4096 128x64 across",
         "128 2560 4096 128x64 across", "193 1024 2560 64x32", "256 1024 4096 128x128 across",
         "256 2560 4096 128x128 across", "192 1024 4096 64x128 across", "129 1024 4096 64x128 across",
-        "192 2560 4096 128x128 across"], out
+        "192 2560 4096 64x128 across", "129 2560 4096 64x128 across", "192 2560 9728 128x128 across",
+        "256 2560 9728 128x128 across"], out
 
 
 PAIRS = r"""

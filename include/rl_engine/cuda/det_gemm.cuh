@@ -912,7 +912,7 @@ inline GemmPlan plan_det_gemm_in(int m, int n, int num_sms, const GemmSplit& spl
           p.tile = {64, 32, false};
           return p;  // the ranges met within each CTA: no workspace
         }
-      } else if (m > 128 && (m + 63) / 64 % 2 == 1 && c.bm == 128 && 5 * items < 4 * num_sms &&
+      } else if (m > 128 && (m + 63) / 64 % 2 == 1 && c.bm == 128 && (5 * items < 4 * num_sms || p.split.blocks <= 24) &&
                  gemm_one_resident_pass(static_cast<int64_t>((m + 63) / 64) * ((n * p.split.splits + 127) / 128),
                                         128, num_sms)) {
         // At M = 129-192 a 128-row tile leaves its second row block at most half used: 64 x 128
@@ -922,6 +922,15 @@ inline GemmPlan plan_det_gemm_in(int m, int n, int num_sms, const GemmSplit& spl
         // of cuBLAS in the 11 earlier H100 sweeps in benchmarks/results/h100/ that time it, 0.66 ->
         // 0.77 at 8f167b9 (and 0.70 -> 0.87 at M = 129). At M = 256, where both tiles fill their
         // rows, 128 x 128 stays (0.84-0.88 against 0.81-0.82 in those 11 sweeps).
+        // The same where the ranges are short (at most 24 K blocks) whatever the pick leaves idle:
+        // there a CTA's prologue and epilogue weigh as much as its chain, and two CTAs an SM hide
+        // one's behind the other's. 4B's o projection (N = 2560 in 3 ranges of 24 blocks: 120
+        // items of 128 x 128, 180 of 64 x 128) at M = 192: 8-12% faster in 9 of those 11 sweeps
+        // (0.3% and 2.4% in the other two), and 11% / 13% at M = 129 / 160, 2% / 6% at 192, in two
+        // sweeps at 8f167b9 (benchmarks/results/h100/8f167b9/ and its o-down-sweep/). Its down
+        // projection, the same tiles over ranges of 52 blocks, is 5-9% slower on 64 x 128 at
+        // M = 192 (and 3% at 160) and keeps 128 x 128. At 132 SMs only the o projection moves among
+        // the benchmark's shapes; at 114 or 78 SMs some untimed N <= 3072 products do.
         p.tile = {64, 128, false};
       }
     }
