@@ -134,7 +134,7 @@ def test_picks_measured_on_a_sweep(tmp_path):
     the 11 earlier sweeps, 0.66 -> 0.77 at 8f167b9. So does 4B's o projection there (120 items,
     12 SMs idle), whose ranges are short (24 K blocks): 8-12% faster at M = 192 in 9 of those 11
     sweeps, 11-13% at M = 129-160 and 2-6% at 192 in two at 8f167b9; its down projection, whose
-    ranges are 52 blocks and which was 5-9% slower on 64 x 128 at M = 192, keeps 128 x 128, as
+    ranges are 52 blocks and which was 3-9% slower on 64 x 128 at M = 192, keeps 128 x 128, as
     both do at 256."""
     out = build_and_run(tmp_path, "picks", PICKS)
     assert out.splitlines() == [

@@ -928,7 +928,7 @@ inline GemmPlan plan_det_gemm_in(int m, int n, int num_sms, const GemmSplit& spl
         // items of 128 x 128, 180 of 64 x 128) at M = 192: 8-12% faster in 9 of those 11 sweeps
         // (0.3% and 2.4% in the other two), and 11% / 13% at M = 129 / 160, 2% / 6% at 192, in two
         // sweeps at 8f167b9 (benchmarks/results/h100/8f167b9/ and its o-down-sweep/). Its down
-        // projection, the same tiles over ranges of 52 blocks, is 5-9% slower on 64 x 128 at
+        // projection, the same tiles over ranges of 52 blocks, is 3-9% slower on 64 x 128 at
         // M = 192 (and 3% at 160) and keeps 128 x 128. At 132 SMs only the o projection moves among
         // the benchmark's shapes; at 114 or 78 SMs some untimed N <= 3072 products do.
         p.tile = {64, 128, false};
