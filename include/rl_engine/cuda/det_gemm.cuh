@@ -903,8 +903,11 @@ inline GemmPlan plan_det_gemm_in(int m, int n, int num_sms, const GemmSplit& spl
     if (m > 64) {
       const GemmTile& c = p.tile;
       const int64_t items = static_cast<int64_t>((m + c.bm - 1) / c.bm) * ((n * p.split.splits + c.bn - 1) / c.bn);
-      const int64_t slabs = static_cast<int64_t>((n + 63) / 64) * p.split.splits * ((m + 63) / 64);
-      const int64_t narrow_tiles = static_cast<int64_t>((m + 63) / 64) * ((n + 31) / 32);
+      const int64_t rows64 = (m + 63) / 64;  // row blocks of the 64-row tiles below
+      const int64_t slabs = rows64 * ((n + 63) / 64) * p.split.splits;
+      const int64_t narrow_tiles = rows64 * ((n + 31) / 32);
+      const int64_t wide_items = rows64 * ((n * p.split.splits + 127) / 128);  // 64 x 128, across
+      const bool short_ranges = p.split.blocks <= 24;
       if (3 * items < 2 * num_sms) {
         if (gemm_one_resident_pass(slabs, 64, num_sms)) {
           p.tile = {64, 64, true};
@@ -912,9 +915,8 @@ inline GemmPlan plan_det_gemm_in(int m, int n, int num_sms, const GemmSplit& spl
           p.tile = {64, 32, false};
           return p;  // the ranges met within each CTA: no workspace
         }
-      } else if (m > 128 && (m + 63) / 64 % 2 == 1 && c.bm == 128 && (5 * items < 4 * num_sms || p.split.blocks <= 24) &&
-                 gemm_one_resident_pass(static_cast<int64_t>((m + 63) / 64) * ((n * p.split.splits + 127) / 128),
-                                        128, num_sms)) {
+      } else if (m > 128 && rows64 % 2 == 1 && c.bm == 128 && (5 * items < 4 * num_sms || short_ranges) &&
+                 gemm_one_resident_pass(wide_items, 128, num_sms)) {
         // At M = 129-192 a 128-row tile leaves its second row block at most half used: 64 x 128
         // tiles (two CTAs an SM) where the pick's items leave more than a fifth of the SMs idle (a
         // third or more went to the tiles above) and theirs busy every SM and all fit at once. 8B's
