@@ -100,7 +100,8 @@ int main() {
                           {128, 1024, 2560}, {192, 1024, 2560}, {256, 1024, 2560}, {96, 1024, 4096},
                           {128, 1024, 4096}, {128, 2560, 4096}, {193, 1024, 2560}, {256, 1024, 4096},
                           {256, 2560, 4096}, {192, 1024, 4096}, {129, 1024, 4096}, {192, 2560, 4096},
-                          {129, 2560, 4096}, {192, 2560, 9728}, {256, 2560, 9728}};
+                          {129, 2560, 4096}, {192, 2560, 9728}, {256, 2560, 9728}, {64, 4096, 2560},
+                          {48, 4096, 4096}, {64, 4096, 12288}, {64, 6144, 2560}, {32, 4096, 2560}};
   for (const auto& c : cases) {
     const GemmPlan p = plan_det_gemm(c[0], c[1], c[2], 132, true);
     std::printf("%d %d %d %dx%d%s%s\n", c[0], c[1], c[2], p.tile.bm, p.tile.bn, p.tile.swap ? " swapped" : "",
@@ -135,7 +136,10 @@ def test_picks_measured_on_a_sweep(tmp_path):
     12 SMs idle), whose ranges are short (24 K blocks): 8-12% faster at M = 192 in 9 of those 11
     sweeps, 11-13% at M = 129-160 and 2-6% at 192 in two at 8f167b9; its down projection, whose
     ranges are 52 blocks and which was 3-9% slower on 64 x 128 at M = 192, keeps 128 x 128, as
-    both do at 256."""
+    both do at 256. From M = 33 to 64 at N = 4096, where 64 x 32 tiles make one wave of 128, swapped
+    32-row slabs run in their place where K is at most 64 blocks: 3.7-6.5% faster at K = 2560 and
+    0.7-3.3% at 4096 in each of 8 sweeps; K = 12288 (0.8% faster to 2.1% slower) keeps 64 x 32, and
+    the fused QKV projection (N = 6144, 192 tiles in one resident pass) keeps its tile."""
     out = build_and_run(tmp_path, "picks", PICKS)
     assert out.splitlines() == [
         "1030 1024 4096 128x128", "1030 1024 2560 128x128", "1025 1024 4096 128x128",
@@ -147,7 +151,8 @@ def test_picks_measured_on_a_sweep(tmp_path):
         "128 2560 4096 128x64 across", "193 1024 2560 64x32", "256 1024 4096 128x128 across",
         "256 2560 4096 128x128 across", "192 1024 4096 64x128 across", "129 1024 4096 64x128 across",
         "192 2560 4096 64x128 across", "129 2560 4096 64x128 across", "192 2560 9728 128x128 across",
-        "256 2560 9728 128x128 across"], out
+        "256 2560 9728 128x128 across", "64 4096 2560 32x64 swapped", "48 4096 4096 32x64 swapped",
+        "64 4096 12288 64x32", "64 6144 2560 64x32", "32 4096 2560 32x32 swapped"], out
 
 
 PAIRS = r"""
