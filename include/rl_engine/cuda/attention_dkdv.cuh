@@ -249,80 +249,145 @@ __global__ void __launch_bounds__(WgDkv<D, H>::kThreads, 1)
   // 254-255 (head_dim 128, or two heads a step); one head a step at head_dim 64 was not timed so.
   const OperandA<D, false> ka(ks + c * 64 * 128, kDkvKeys * 128, warp, lane),
       va(vs + c * 64 * 128, kDkvKeys * 128, warp, lane);
-  for (int it = 0;; ++it) {
-    if (producer) produce();  // step it + kStages - 1
-    const int s = it % C::kStages;
-    ptx::mbar_wait(rb.full(s), (it / C::kStages) & 1);
-    const Step cur = *step_at(s);
-    if (cur.r >= qend) break;
-    const uint32_t qs = q_tile(s), ds = qs + C::kRowTile;
-    if (cur.n < kDkvStepRows) {
-      // The copies read past the chunk (rows that are masked); zero them so that 0 * x adds
-      // exactly zero even where x is inf or NaN.
-      for (int e = 0; e < H; ++e) {
-        zero_rows<D, kCols>(qs, e * kDkvStepRows + cur.n, tid, (e + 1) * kDkvStepRows);
-        zero_rows<D, kCols>(ds, e * kDkvStepRows + cur.n, tid, (e + 1) * kDkvStepRows);
-      }
-      ptx::fence_proxy_async_smem();
-      ptx::named_bar_sync(1 + c, 128);
+  // The copies read past a chunk's end (rows that are masked); zeroes them in stage s so that
+  // 0 * x adds exactly zero even where x is inf or NaN.
+  auto zero_tail = [&](int s, const Step& st) {
+    if (st.r >= qend || st.n == kDkvStepRows) return;
+    for (int e = 0; e < H; ++e) {
+      zero_rows<D, kCols>(q_tile(s), e * kDkvStepRows + st.n, tid, (e + 1) * kDkvStepRows);
+      zero_rows<D, kCols>(q_tile(s) + C::kRowTile, e * kDkvStepRows + st.n, tid, (e + 1) * kDkvStepRows);
     }
+    ptx::fence_proxy_async_smem();
+    ptx::named_bar_sync(1 + c, 128);
+  };
+  // sc, dp: S^T and dP^T, rows the warp's keys, columns the step's (head, query row) pairs.
+  float sc[kCols / 8][4], dp[kCols / 8][4];
+  // sc = P^T in place, zero where a row does not see the key; what depends on the column is read
+  // once for the thread's two keys.
+  auto probabilities = [&](int s, const Step& cur, auto masked) {
     const float* lse_s = reinterpret_cast<const float*>(meta_ptr(s));
-    const float* delta_s = lse_s + kCols;
     const int64_t* pos_s = reinterpret_cast<const int64_t*>(lse_s + 2 * kCols);
-    // Two copies of the step: one with no mask at all, for a step whose every row sees every key
-    // of this warpgroup (its first row has the least position), and one that masks
-    // (benchmarks/results/h100/edb0601/, 8k tokens, 32 / 8 heads, chunks of 128 rows: dk/dv
-    // 1.98 ms -> 1.42 at head_dim 64, 2.90 -> 2.52 at 128; the same bits).
-    const bool all_visible = cur.n == kDkvStepRows && kstart + c * 64 + 63 <= pos_s[0] &&
-                             kstart + c * 64 + 64 <= klen;
-    auto step = [&](auto masked) {
-      // sc, dp: S^T and dP^T, rows the warp's keys, columns the step's (head, query row) pairs.
-      float sc[kCols / 8][4], dp[kCols / 8][4];
-      two_kmajor_products<kCols, D, kHalf>(sc, ka, qs, dp, va, ds, kCols * 128);
-      // P^T and dS^T = P^T (dP^T - delta) in place, zero where a row does not see the key; what
-      // depends on the column is read once for the thread's two keys.
 #pragma unroll
-      for (int n = 0; n < kCols / 8; ++n) {
+    for (int n = 0; n < kCols / 8; ++n) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {  // the thread's two columns of n8 tile n
-          const int col = n * 8 + 2 * (lane & 3) + e;
-          const float lse2 = __fmul_rn(lse_s[col], kLog2e), delta = delta_s[col];
-          // The last key the column's row sees (none for a row past the chunk): one comparison a
-          // key, where three made the compiler keep the flags in a bit mask.
-          int last = INT_MAX;
-          if constexpr (decltype(masked)::value)
-            last = col % kDkvStepRows < cur.n ? (int)min(pos_s[col], (int64_t)klen - 1) : -1;
+      for (int e = 0; e < 2; ++e) {  // the thread's two columns of n8 tile n
+        const int col = n * 8 + 2 * (lane & 3) + e;
+        const float lse2 = __fmul_rn(lse_s[col], kLog2e);
+        // The last key the column's row sees (none for a row past the chunk): one comparison a
+        // key, where three made the compiler keep the flags in a bit mask.
+        int last = INT_MAX;
+        if constexpr (decltype(masked)::value)
+          last = col % kDkvStepRows < cur.n ? (int)min(pos_s[col], (int64_t)klen - 1) : -1;
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {  // its two keys
-            const int i = 2 * hh + e;
-            const float pr = ex2(__fmaf_rn(sc[n][i], p.scale_log2, -lse2));
-            sc[n][i] = key0 + 8 * hh <= last ? pr : 0.f;
-            dp[n][i] = __fmul_rn(sc[n][i], __fsub_rn(dp[n][i], delta));
-          }
+        for (int hh = 0; hh < 2; ++hh) {  // its two keys
+          const int i = 2 * hh + e;
+          const float pr = ex2(__fmaf_rn(sc[n][i], p.scale_log2, -lse2));
+          sc[n][i] = key0 + 8 * hh <= last ? pr : 0.f;
         }
       }
-      uint32_t ap[kCols / 16][4], as[kCols / 16][4];
+    }
+  };
+  // dp = dS^T = P^T (dP^T - delta) in place.
+  auto score_grads = [&](int s) {
+    const float* delta_s = reinterpret_cast<const float*>(meta_ptr(s)) + kCols;
 #pragma unroll
-      for (int kk = 0; kk < kCols / 16; ++kk) {
-        c_to_a<T>(ap[kk], sc, kk);
-        c_to_a<T>(as[kk], dp, kk);
-      }
-      ptx::wgmma_fence();
+    for (int n = 0; n < kCols / 8; ++n) {
 #pragma unroll
-      for (int kk = 0; kk < kCols / 16; ++kk) {
-        nmajor_step<D, kHalf>(pv, ap[kk], ds, kCols * 128, kk);
-        nmajor_step<D, kHalf>(pk, as[kk], qs, kCols * 128, kk);
+      for (int i = 0; i < 4; ++i) {
+        const float delta = delta_s[n * 8 + 2 * (lane & 3) + (i & 1)];
+        dp[n][i] = __fmul_rn(sc[n][i], __fsub_rn(dp[n][i], delta));
       }
-      ptx::wgmma_commit();
-      ptx::wgmma_wait<0>();
-      fence_tiles(pk);
-      fence_tiles(pv);
-    };
-    if (all_visible) step(std::false_type{});
-    else step(std::true_type{});
-    if (tid == 0) ptx::mbar_arrive(rb.empty(s));
-    if (walk.ends_chunk(cur)) flush();
+    }
+  };
+  // Clears sc for the next S^T (its zeros written before the wgmma fence).
+  auto zero_scores = [&] {
+    zero_tiles(sc);
+    fence_tiles(sc);  // see two_kmajor_products
+  };
+  // Issues the k16 steps of S^T = K Q^T for the step in stage s.
+  auto scores = [&](int s) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) ka.template step<kCols, kHalf>(sc, q_tile(s), kCols * 128, kk);
+  };
+
+  // A step runs as two groups of products: dV += P^T dO and dK += dS^T Q of the step before with
+  // this step's S^T, then dP^T alone, whose run hides the exponentials of P^T. Each accumulator
+  // sees the same products in the same order as one group a product would give. The last step's
+  // dV and dK go with the scores of the stage that ends the walk, which holds no rows: those are
+  // thrown away, so that no wgmma sits on a branch. No product is in flight across the loop's
+  // back edge (the compiler's register moves there would serialize them).
+  uint32_t ap[kCols / 16][4], as[kCols / 16][4];  // P^T and dS^T of the step before
+  Step prev{}, cur{};
+  int it = 0;  // cur's place in the walk; its stage is it % kStages
+  // S^T of cur is in sc: the next step's copy awaited, then dP^T, and P^T and dS^T into ap / as.
+  auto finish_step = [&] {
+    const int s = it % C::kStages, s1 = (it + 1) % C::kStages;
+    if (producer) produce();  // step it + kStages - 1
+    ptx::mbar_wait(rb.full(s1), ((it + 1) / C::kStages) & 1);
+    const Step next = *step_at(s1);
+    zero_tail(s1, next);
+    zero_tiles(dp);
+    fence_tiles(dp);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) va.template step<kCols, kHalf>(dp, q_tile(s) + C::kRowTile, kCols * 128, kk);
+    ptx::wgmma_commit();
+    if (it > 0 && walk.ends_chunk(prev)) flush();
+    // Two copies of the exponentials: one with no mask at all, for a step whose every row sees
+    // every key of this warpgroup (its first row has the least position), and one that masks
+    // (benchmarks/results/h100/edb0601/, 8k tokens, 32 / 8 heads, chunks of 128 rows: dk/dv
+    // 1.98 ms -> 1.42 at head_dim 64, 2.90 -> 2.52 at 128; the same bits).
+    const int64_t* pos_s = reinterpret_cast<const int64_t*>(meta_ptr(s) + 8 * kCols);
+    const bool all_visible = cur.n == kDkvStepRows && kstart + c * 64 + 63 <= pos_s[0] &&
+                             kstart + c * 64 + 64 <= klen;
+    if (all_visible) probabilities(s, cur, std::false_type{});
+    else probabilities(s, cur, std::true_type{});
+    ptx::wgmma_wait<0>();
+    fence_tiles(dp);
+    score_grads(s);
+#pragma unroll
+    for (int kk = 0; kk < kCols / 16; ++kk) {
+      c_to_a<T>(ap[kk], sc, kk);
+      c_to_a<T>(as[kk], dp, kk);
+    }
+    prev = cur;
+    cur = next;
+    ++it;
+  };
+
+  ptx::mbar_wait(rb.full(0), 0);
+  cur = *step_at(0);
+  if (cur.r >= qend) return;
+  zero_tail(0, cur);
+  zero_scores();
+  ptx::wgmma_fence();
+  scores(0);
+  ptx::wgmma_commit();
+  ptx::wgmma_wait<0>();
+  fence_tiles(sc);
+  finish_step();
+  for (;;) {
+    const uint32_t qs = q_tile((it - 1) % C::kStages), ds = qs + C::kRowTile;  // prev's stage
+    zero_scores();
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kCols / 16; ++kk) {
+      nmajor_step<D, kHalf>(pv, ap[kk], ds, kCols * 128, kk);
+      nmajor_step<D, kHalf>(pk, as[kk], qs, kCols * 128, kk);
+    }
+    scores(it % C::kStages);
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    fence_tiles(sc);
+    fence_tiles(pk);
+    fence_tiles(pv);
+    fence_a(ap);
+    fence_a(as);
+    if (tid == 0) ptx::mbar_arrive(rb.empty((it - 1) % C::kStages));
+    if (cur.r >= qend) break;
+    finish_step();
   }
+  if (walk.ends_chunk(prev)) flush();
 }
 
 template <typename T, int D, int H>

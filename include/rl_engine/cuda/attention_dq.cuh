@@ -98,42 +98,108 @@ __global__ void __launch_bounds__(WgDq<D>::kThreads, 1)
   const OperandA<D, C::kRowsInRegs> qa(qs + c * 64 * 128, kDqRows * 128, warp, lane),
       da(ds + c * 64 * 128, kDqRows * 128, warp, lane);
 
-  for (int j = 0; j < nblocks; ++j) {
-    if (producer) produce();  // block j + kStages - 1
+  // Block j's S arrives in sc: then dP alone, whose run hides the exponentials of P, and
+  // dS = P (dP - delta) into a.
+  float sc[BN / 8][4], dp[BN / 8][4];
+  uint32_t a[BN / 16][4];  // dS of the block before, for its dQ += dS K
+  auto finish_block = [&](int j) {
+    const int s = j % C::kStages;
+    zero_tiles(dp);
+    fence_tiles(dp);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) da.template step<BN, kHalf>(dp, k_tile(s) + C::kKeyTile, BN * 128, kk);
+    ptx::wgmma_commit();
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sc[n][i] = ex2(__fmaf_rn(sc[n][i], p.scale_log2, -lse2[i >> 1]));
+    }
+    ptx::wgmma_wait<0>();
+    fence_tiles(dp);
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int key = j * BN + n * 8 + 2 * (lane & 3) + (i & 1), r = i >> 1;
+        sc[n][i] = key <= last_seen[r] ? __fmul_rn(sc[n][i], __fsub_rn(dp[n][i], delta[r])) : 0.f;
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) c_to_a<T>(a[kk], sc, kk);
+  };
+  // Waits for block j; keys past the sequence get dS = 0, but the copy read whatever follows it:
+  // zero those K rows so that 0 * K adds exactly zero even for inf or NaN there.
+  auto arrived = [&](int j) {
     const int s = j % C::kStages;
     ptx::mbar_wait(rb.full(s), (j / C::kStages) & 1);
-    if (j * BN <= wg_last) {
-      const uint32_t kt = k_tile(s), vt = kt + C::kKeyTile;
-      if ((j + 1) * BN > klen) {
-        // Keys past the sequence get dS = 0, but the copy read whatever follows it; zero those K
-        // rows so that 0 * K adds exactly zero even for inf or NaN there.
-        zero_rows<D, BN>(kt, klen - j * BN, tid);
-        ptx::fence_proxy_async_smem();
-        ptx::named_bar_sync(1 + c, 128);
-      }
-      float sc[BN / 8][4], dp[BN / 8][4];
-      two_kmajor_products<BN, D, kHalf>(sc, qa, kt, dp, da, vt, BN * 128);
+    if ((j + 1) * BN > klen) {
+      zero_rows<D, BN>(k_tile(s), klen - j * BN, tid);
+      ptx::fence_proxy_async_smem();
+      ptx::named_bar_sync(1 + c, 128);
+    }
+  };
+  auto zero_scores = [&] {
+    zero_tiles(sc);
+    fence_tiles(sc);  // before the wgmma fence: see two_kmajor_products
+  };
+  // Issues the k16 steps of S = Q K^T for block j.
+  auto scores = [&](int j) {
 #pragma unroll
-      for (int n = 0; n < BN / 8; ++n) {
+    for (int kk = 0; kk < D / 16; ++kk) qa.template step<BN, kHalf>(sc, k_tile(j % C::kStages), BN * 128, kk);
+  };
+  auto dq_steps = [&](int j) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int key = j * BN + n * 8 + 2 * (lane & 3) + (i & 1), r = i >> 1;
-          const bool vis = key <= last_seen[r];
-          const float pr = ex2(__fmaf_rn(sc[n][i], p.scale_log2, -lse2[r]));
-          sc[n][i] = vis ? __fmul_rn(pr, __fsub_rn(dp[n][i], delta[r])) : 0.f;
-        }
-      }
-      uint32_t a[BN / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) c_to_a<T>(a[kk], sc, kk);
+    for (int kk = 0; kk < BN / 16; ++kk) nmajor_step<D, kHalf>(acc, a[kk], k_tile(j % C::kStages), BN * 128, kk);
+  };
+  auto release = [&](int j) {
+    if (tid == 0) ptx::mbar_arrive(rb.empty(j % C::kStages));
+  };
+
+  // The warpgroup computes blocks [0, mine): block j - 1's dQ += dS K goes with block j's S, then
+  // block j's dP alone, as in dk/dv (attention_dkdv.cuh); each accumulator sees the same products
+  // in the same order. No product is in flight across the loop's back edge, none on a branch. The
+  // copy of block j + kStages - 1 waits for block j - 1's release.
+  const int mine = wg_last < 0 ? 0 : min(nblocks, wg_last / BN + 1);
+  if (mine > 0) {
+    if (producer) produce();  // block kStages - 1, into a slot not yet used
+    arrived(0);
+    zero_scores();
+    ptx::wgmma_fence();
+    scores(0);
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    fence_tiles(sc);
+    finish_block(0);
+    for (int j = 1; j < mine; ++j) {
+      arrived(j);
+      zero_scores();
       ptx::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) nmajor_step<D, kHalf>(acc, a[kk], kt, BN * 128, kk);
+      dq_steps(j - 1);
+      scores(j);
       ptx::wgmma_commit();
       ptx::wgmma_wait<0>();
       fence_tiles(acc);
+      fence_tiles(sc);
+      fence_a(a);
+      release(j - 1);
+      if (producer) produce();  // block j + kStages - 1
+      finish_block(j);
     }
-    if (tid == 0) ptx::mbar_arrive(rb.empty(s));
+    ptx::wgmma_fence();
+    dq_steps(mine - 1);
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    fence_tiles(acc);
+    fence_a(a);
+    release(mine - 1);
+  }
+  // Blocks past this warpgroup's rows are given back as they arrive (the copy thread keeps
+  // copying for the other warpgroup).
+  for (int j = mine; j < nblocks; ++j) {
+    if (producer) produce();  // block j + kStages - 1
+    ptx::mbar_wait(rb.full(j % C::kStages), (j / C::kStages) & 1);
+    release(j);
   }
 
   T* dq = static_cast<T*>(p.dq);

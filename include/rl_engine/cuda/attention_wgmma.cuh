@@ -114,8 +114,20 @@ struct OperandA {
   }
 };
 
-// x = XA . XB^T and y = YA . YB^T from zero, issued together and waited for once (the B tiles
-// b_panel bytes between panels); D / 16 k16 steps.
+// Issues the D / 16 k16 steps of x += XA . XB^T and y += YA . YB^T, interleaved (the B tiles b_panel
+// bytes between panels); the caller fences, commits and waits.
+template <int N, int D, bool kHalf, bool kRegs>
+__device__ __forceinline__ void two_kmajor_steps(float (&x)[N / 8][4], const OperandA<D, kRegs>& xa, uint32_t xb,
+                                                 float (&y)[N / 8][4], const OperandA<D, kRegs>& ya, uint32_t yb,
+                                                 uint32_t b_panel) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    xa.template step<N, kHalf>(x, xb, b_panel, kk);
+    ya.template step<N, kHalf>(y, yb, b_panel, kk);
+  }
+}
+
+// x = XA . XB^T and y = YA . YB^T from zero, issued together and waited for once.
 template <int N, int D, bool kHalf, bool kRegs>
 __device__ __forceinline__ void two_kmajor_products(float (&x)[N / 8][4], const OperandA<D, kRegs>& xa, uint32_t xb,
                                                     float (&y)[N / 8][4], const OperandA<D, kRegs>& ya, uint32_t yb,
@@ -127,11 +139,7 @@ __device__ __forceinline__ void two_kmajor_products(float (&x)[N / 8][4], const 
   fence_tiles(x);
   fence_tiles(y);
   ptx::wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    xa.template step<N, kHalf>(x, xb, b_panel, kk);
-    ya.template step<N, kHalf>(y, yb, b_panel, kk);
-  }
+  two_kmajor_steps<N, D, kHalf>(x, xa, xb, y, ya, yb, b_panel);
   ptx::wgmma_commit();
   ptx::wgmma_wait<0>();
   fence_tiles(x);
