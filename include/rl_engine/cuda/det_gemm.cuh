@@ -875,6 +875,7 @@ struct GemmPlan {
 // unsplit kernel.
 inline GemmPlan plan_det_gemm_in(int m, int n, int num_sms, const GemmSplit& split) {
   GemmPlan p{choose_gemm_tile(m, n, num_sms), split, 0};
+  const GemmTile& t = p.tile;
   if (p.split.splits == 1) {
     // From M = 33 to 64, where 64 x 32 tiles make one wave, swapped slabs of 32 weight rows by 64
     // tokens in their place (the same CTAs, each streaming the same weight rows) where K is at
@@ -884,13 +885,11 @@ inline GemmPlan plan_det_gemm_in(int m, int n, int num_sms, const GemmSplit& spl
     // faster to 2.1% slower, so it keeps 64 x 32. Among the benchmark's shapes this moves those
     // two alone (benchmarks/det_gemm_replay.py over every sweep); elsewhere, products of at most
     // one slab an SM whose K is one range (N > 3072, or K <= 256), none of them timed.
-    const GemmTile& t = p.tile;
     if (m > 32 && m <= 64 && t.bm == 64 && t.bn == 32 && !t.swap && (n + 31) / 32 <= num_sms &&
         p.split.blocks <= 64)
       p.tile = {32, 64, true};
     return p;
   }
-  const GemmTile& t = p.tile;
   const int64_t tiles = static_cast<int64_t>((m + t.bm - 1) / t.bm) * ((n + t.bn - 1) / t.bn);
   if (t.swap || (m <= 256 && tiles <= num_sms)) {
     p.tile = choose_gemm_tile(m, n * p.split.splits, num_sms, p.split.splits);
