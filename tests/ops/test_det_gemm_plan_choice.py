@@ -101,7 +101,9 @@ int main() {
                           {128, 1024, 4096}, {128, 2560, 4096}, {193, 1024, 2560}, {256, 1024, 4096},
                           {256, 2560, 4096}, {192, 1024, 4096}, {129, 1024, 4096}, {192, 2560, 4096},
                           {129, 2560, 4096}, {192, 2560, 9728}, {256, 2560, 9728}, {64, 4096, 2560},
-                          {48, 4096, 4096}, {64, 4096, 12288}, {64, 6144, 2560}, {32, 4096, 2560}};
+                          {48, 4096, 4096}, {64, 4096, 12288}, {64, 6144, 2560}, {32, 4096, 2560},
+                          {192, 6144, 4096}, {160, 6144, 4096}, {192, 6144, 2560}, {96, 19456, 2560},
+                          {100, 19456, 2560}, {96, 24576, 4096}};
   for (const auto& c : cases) {
     const GemmPlan p = plan_det_gemm(c[0], c[1], c[2], 132, true);
     std::printf("%d %d %d %dx%d%s%s\n", c[0], c[1], c[2], p.tile.bm, p.tile.bn, p.tile.swap ? " swapped" : "",
@@ -139,7 +141,12 @@ def test_picks_measured_on_a_sweep(tmp_path):
     both do at 256. From M = 33 to 64 at N = 4096, where 64 x 32 tiles make one wave of 128, swapped
     32-row slabs run in their place where K is at most 64 blocks: 3.7-6.5% faster at K = 2560 and
     0.7-3.3% at 4096 in each of 8 sweeps; K = 12288 (0.8% faster to 2.1% slower) keeps 64 x 32, and
-    the fused QKV projection (N = 6144, 192 tiles in one resident pass) keeps its tile."""
+    the fused QKV projection (N = 6144, 192 tiles in one resident pass) keeps its tile. 8B's fused
+    QKV projection at M = 129-192 (K = 4096) runs 64 x 128 unsplit, two CTAs an SM, instead of
+    128 x 128: 2.3-13.8% faster at M = 192 in each of 9 sweeps; 4B's (K = 2560), between 2% slower
+    and 4% faster, keeps 128 x 128. 4B's gate-up projection (N = 19456) at M = 96-100 runs 128 x 160
+    (60% bar in one row block) instead of 128 x 256's part wave: 2.6-6.7% faster in 9 sweeps at
+    M = 96, 6.0% at 100; 8B's (N = 24576) keeps 128 x 192."""
     out = build_and_run(tmp_path, "picks", PICKS)
     assert out.splitlines() == [
         "1030 1024 4096 128x128", "1030 1024 2560 128x128", "1025 1024 4096 128x128",
@@ -152,7 +159,9 @@ def test_picks_measured_on_a_sweep(tmp_path):
         "256 2560 4096 128x128 across", "192 1024 4096 64x128 across", "129 1024 4096 64x128 across",
         "192 2560 4096 64x128 across", "129 2560 4096 64x128 across", "192 2560 9728 128x128 across",
         "256 2560 9728 128x128 across", "64 4096 2560 32x64 swapped", "48 4096 4096 32x64 swapped",
-        "64 4096 12288 64x32", "64 6144 2560 64x32", "32 4096 2560 32x32 swapped"], out
+        "64 4096 12288 64x32", "64 6144 2560 64x32", "32 4096 2560 32x32 swapped",
+        "192 6144 4096 64x128", "160 6144 4096 64x128", "192 6144 2560 128x128", "96 19456 2560 128x160",
+        "100 19456 2560 128x160", "96 24576 4096 128x192"], out
 
 
 PAIRS = r"""

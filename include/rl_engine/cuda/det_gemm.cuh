@@ -723,12 +723,12 @@ inline GemmSplit gemm_split_in(int k, int want) {
 // at. Above M = 64 it first weighs the 128-row tiles of 256, 192, 160 and 128 columns: the share of
 // the SMs' time over whole waves that computes output elements that exist (a half-empty wave or
 // tile counts as lost), times the tile's own efficiency (narrower tiles move more shared memory
-// per product); the best is taken where that exceeds 70%. Otherwise (and from M = 33) it takes the
-// first tile of kTileOrder (largest first, one of 64 rows before the narrow ones of 128; at
-// M = 65-128 kOneBlockOrder, where 128 x 64 comes before 64 x 128) whose grid either fills one
-// wave to between 55% (50% for 128 x 128 above M = 256) and 100% of the SMs or keeps at least 80%
-// of them busy in every wave; tiles of 128 rows only above M = 64, where 64 x 32 is taken when
-// none fits. Up to M = 32 (decode), and up to 64 where none fits (narrow N), the product is a
+// per product); the best is taken where that exceeds 70% (60% at M <= 128). Otherwise (and from
+// M = 33) it takes the first tile of kTileOrder (largest first, one of 64 rows before the narrow
+// ones of 128; at M = 65-128 kOneBlockOrder, where 128 x 64 comes before 64 x 128) whose grid
+// either fills one wave to between 55% (50% for 128 x 128 above M = 256) and 100% of the SMs or
+// keeps at least 80% of them busy in every wave; tiles of 128 rows only above M = 64, where
+// 64 x 32 is taken when none fits. Up to M = 32 (decode), and up to 64 where none fits (narrow N), the product is a
 // stream of the weight: swapped tiles with M rounded up to 8, 16, 32 or 64 as the narrow side, and
 // slabs of 32 weight rows; 64 rows where that still leaves two slabs an SM (reached only up to
 // M = 32: at such N a 64-row unswapped tile fits), 16 where 32-row slabs would leave most SMs
@@ -775,8 +775,13 @@ inline GemmTile choose_gemm_tile(int m, int n, int num_sms, int ranges = 1) {
     // bn), relative to the 256-wide tile's, flattened since wgmma also reuses B across the two
     // consumers.
     static constexpr int kWide[][2] = {{256, 100}, {192, 97}, {160, 95}, {128, 92}};
+    // In one row block (M <= 128) every 128-row tile leaves the same rows empty, so their bar is
+    // 60%: 4B's gate-up projection (N = 19456) at M = 96 takes 128 x 160 (122 tiles, 0.656) where
+    // the first fit below took 128 x 256 (76 tiles, 58% of a wave): 2.6-6.7% faster in the 9 H100
+    // sweeps in benchmarks/results/h100/ that time it (0.93-1.03 of cuBLAS -> 0.98-1.06), 6.0% at
+    // M = 100 (f8d484b/). Among the benchmark's shapes no other row moves (det_gemm_replay.py).
     GemmTile best{0, 0, false};
-    double best_score = 0.70;
+    double best_score = m <= 128 ? 0.60 : 0.70;
     for (const auto& [bn, eff] : kWide) {
       const int64_t tiles = static_cast<int64_t>((m + 127) / 128) * ((n + bn - 1) / bn);
       const int64_t waves = (tiles + num_sms - 1) / num_sms;
@@ -888,6 +893,17 @@ inline GemmPlan plan_det_gemm_in(int m, int n, int num_sms, const GemmSplit& spl
     if (m > 32 && m <= 64 && t.bm == 64 && t.bn == 32 && !t.swap && (n + 31) / 32 <= num_sms &&
         p.split.blocks <= 64)
       p.tile = {32, 64, true};
+    // At M = 129-192, where a 128 x 128 tile's second row block is at most half used, 64 x 128
+    // tiles (two CTAs an SM) where theirs busy every SM and all fit at once and K is at least 64
+    // blocks: 8B's fused QKV projection (N = 6144, K = 4096) at M = 192 on 64 x 128 was 2.3-13.8%
+    // faster in each of the 9 H100 sweeps in benchmarks/results/h100/ that time it (0.69-0.82 of
+    // cuBLAS -> 0.77-0.84). 4B's (K = 2560, 40 blocks) was 2% slower to 4% faster there and keeps
+    // 128 x 128. Among the benchmark's shapes this moves that one row alone (det_gemm_replay.py
+    // over every sweep); N = 4096 already takes 64 x 128 at M = 192, and at 132 SMs it reaches
+    // N = 5505-11264 only.
+    if (m > 128 && m <= 192 && t.bm == 128 && t.bn == 128 && p.split.blocks >= 64 &&
+        gemm_one_resident_pass(3 * ((n + 127) / 128), 128, num_sms))
+      p.tile = {64, 128, false};
     return p;
   }
   const int64_t tiles = static_cast<int64_t>((m + t.bm - 1) / t.bm) * ((n + t.bn - 1) / t.bn);
