@@ -10,6 +10,7 @@ choose_gemm_tile can be weighed on every card swept before it runs on one.
 
     python benchmarks/det_gemm_replay.py SWEEP.json [SWEEP.json ...] [--out replay.json]
 
+--out's JSON names this tree's commit and dirty flag (`source`) and each sweep's commit.
 A ratio replayed this way is one measured at the sweep's commit: the kernels must be the same, and
 only the choice among them may differ. Exit status 1 when this tree picks a plan a sweep never timed,
 2 for input it cannot read (a file that is no sweep, a header that does not compile).
@@ -29,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # rl_engine from this checkout: no install (and no torch) needed
 
 from hopper_targets import det_gemm_verdicts  # noqa: E402
+from provenance import source_state  # noqa: E402
 from rl_engine.artifacts import files  # noqa: E402
 
 ROW_KEYS = ("shape", "m", "n", "k", "pick", "pick_ratio", "best", "best_ratio", "plans")
@@ -137,7 +139,8 @@ def main():
         for line in r["untimed"]:
             print(f"  not timed in this sweep: {line}", file=sys.stderr)
     if args.out:
-        files.write_json(args.out, dict(replays=results))
+        # source: the tree whose tile choice was replayed (each replay names its sweep's commit).
+        files.write_json(args.out, dict(source=source_state(ROOT), replays=results))
     if any(r["untimed"] for r in results.values()):
         sys.exit(1)
 

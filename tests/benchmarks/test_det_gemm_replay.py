@@ -62,7 +62,10 @@ def test_reads_the_ratio_of_the_plan_this_tree_picks(tmp_path):
     out = tmp_path / "replay.json"
     done = run(path, "--out", out)
     assert done.returncode == 0, done.stdout + done.stderr
-    got = json.loads(out.read_text())["replays"][str(path)]
+    written = json.loads(out.read_text())
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert written["source"]["commit"] == (head.stdout.strip() if head.returncode == 0 else None)
+    got = written["replays"][str(path)]
     one, big = got["rows"]
     assert (one["tree_pick"], one["tree_ratio"], one["sweep_ratio"]) == ("32x8 swapped", 1.05, 0.50)
     assert (big["tree_pick"], big["tree_ratio"]) == ("128x256", 0.96)
