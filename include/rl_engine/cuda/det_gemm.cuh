@@ -728,15 +728,16 @@ inline GemmSplit gemm_split_in(int k, int want) {
 // ones of 128; at M = 65-128 kOneBlockOrder, where 128 x 64 comes before 64 x 128) whose grid
 // either fills one wave to between 55% (50% for 128 x 128 above M = 256) and 100% of the SMs or
 // keeps at least 80% of them busy in every wave; tiles of 128 rows only above M = 64, where
-// 64 x 32 is taken when none fits. Up to M = 32 (decode), and up to 64 where none fits (narrow N), the product is a
-// stream of the weight: swapped tiles with M rounded up to 8, 16, 32 or 64 as the narrow side, and
-// slabs of 32 weight rows; 64 rows where that still leaves two slabs an SM (reached only up to
-// M = 32: at such N a 64-row unswapped tile fits), 16 where 32-row slabs would leave most SMs
-// idle, or, at M <= 16 with K in one range (`ranges`, the K ranges whose CTAs N counts), where
-// 16-row slabs give each SM fewer weight rows. Measured on an H200 over every tile at M = 64 to
-// 1024 and the shapes of benchmarks/hopper_ops.py: a part wave of large tiles beats full waves of
-// narrow ones (each CTA re-reads A and B per tile from L2), and a 64-row tile (two CTAs an SM)
-// beats a 128-row one whose last row block is half empty (but see the 128 x 128 part wave below).
+// 64 x 32 is taken when none fits. Up to M = 32 (decode), and up to 64 where none fits (narrow N),
+// the product is a stream of the weight: swapped tiles with M rounded up to 8, 16, 32 or 64 as the
+// narrow side, and slabs of 32 weight rows; 64 rows where that still leaves two slabs an SM
+// (reached only up to M = 32: at such N a 64-row unswapped tile fits), 16 where 32-row slabs would
+// leave most SMs idle, or, at M <= 16 with K in one range (`ranges`, the K ranges whose CTAs N
+// counts), where 16-row slabs give each SM fewer weight rows. Measured on an H200 over every tile
+// at M = 64 to 1024 and the shapes of benchmarks/hopper_ops.py: a part wave of large tiles beats
+// full waves of narrow ones (each CTA re-reads A and B per tile from L2), and a 64-row tile (two
+// CTAs an SM) beats a 128-row one whose last row block is half empty (but see the 128 x 128 part
+// wave below).
 // From M = 33 to 64 a 64-row tile of 128, then 64, then 32 columns whose tiles busy every SM and
 // all fit at once comes first: there the weight streams through every SM in one pass
 // (benchmarks/hopper_ops.py at da6f8da, M = 64: gate-up 33.4 -> 30.3 us (4B) and 57.7 -> 54.0
