@@ -708,6 +708,14 @@ inline bool gemm_one_resident_pass(int64_t items, int bn, int num_sms, bool two 
          items <= static_cast<int64_t>(num_sms) * gemm_cfg::gemm_max_occupancy(1, bn, two);
 }
 
+// Whether, where a 128-row tile leaves its last row block at most half used (M = 129-192, 257-320,
+// ...), 64 x 128 tiles over `cols` columns (N, or N times the K ranges met across CTAs) busy every
+// SM and all fit at once, two CTAs an SM.
+inline bool gemm_half_block_fits_64x128(int m, int64_t cols, int num_sms) {
+  const int64_t rows64 = (m + 63) / 64;
+  return m > 128 && rows64 % 2 == 1 && gemm_one_resident_pass(rows64 * ((cols + 127) / 128), 128, num_sms);
+}
+
 // K in about `want` ranges (at most kMaxSplits, at most one a unit of 4 K blocks) of whole units:
 // choose_gemm_split's count, or another one a probe times (benchmarks/det_gemm_split_probe.cu).
 inline GemmSplit gemm_split_in(int k, int want) {
@@ -902,8 +910,8 @@ inline GemmPlan plan_det_gemm_in(int m, int n, int num_sms, const GemmSplit& spl
     // 128 x 128. Among the benchmark's shapes this moves that one row alone (det_gemm_replay.py
     // over every sweep); N = 4096 already takes 64 x 128 at M = 192, and at 132 SMs it reaches
     // N = 5505-11264 only.
-    if (m > 128 && m <= 192 && t.bm == 128 && t.bn == 128 && p.split.blocks >= 64 &&
-        gemm_one_resident_pass(3 * ((n + 127) / 128), 128, num_sms))
+    if (m <= 192 && t.bm == 128 && t.bn == 128 && p.split.blocks >= 64 &&
+        gemm_half_block_fits_64x128(m, n, num_sms))
       p.tile = {64, 128, false};
     // At M <= 4 where K is one range of at least 192 blocks (Qwen3-8B's down projection, K = 12288),
     // the weight in slabs of 64 rows instead of 32, one an SM: half the CTAs, each twice the weight
@@ -944,7 +952,6 @@ inline GemmPlan plan_det_gemm_in(int m, int n, int num_sms, const GemmSplit& spl
       const int64_t rows64 = (m + 63) / 64;  // row blocks of the 64-row tiles below
       const int64_t slabs = rows64 * ((n + 63) / 64) * p.split.splits;
       const int64_t narrow_tiles = rows64 * ((n + 31) / 32);
-      const int64_t wide_items = rows64 * ((n * p.split.splits + 127) / 128);  // 64 x 128, across
       const bool short_ranges = p.split.blocks <= 24;
       if (3 * items < 2 * num_sms) {
         if (gemm_one_resident_pass(slabs, 64, num_sms)) {
@@ -953,8 +960,8 @@ inline GemmPlan plan_det_gemm_in(int m, int n, int num_sms, const GemmSplit& spl
           p.tile = {64, 32, false};
           return p;  // the ranges met within each CTA: no workspace
         }
-      } else if (m > 128 && rows64 % 2 == 1 && c.bm == 128 && (5 * items < 4 * num_sms || short_ranges) &&
-                 gemm_one_resident_pass(wide_items, 128, num_sms)) {
+      } else if (c.bm == 128 && (5 * items < 4 * num_sms || short_ranges) &&
+                 gemm_half_block_fits_64x128(m, static_cast<int64_t>(n) * p.split.splits, num_sms)) {
         // At M = 129-192 a 128-row tile leaves its second row block at most half used: 64 x 128
         // tiles (two CTAs an SM) where the pick's items leave more than a fifth of the SMs idle (a
         // third or more went to the tiles above) and theirs busy every SM and all fit at once. 8B's
