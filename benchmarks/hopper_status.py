@@ -85,7 +85,14 @@ def column(folder: Path) -> tuple[str, dict]:
                           "each commit's results in a folder of their own")
     dirty = any((d.get("source") or {}).get("dirty") is not False for d in (ops, attention))
     header = f"{ops.get('device', '?')}, {commits['hopper_ops.json'][:7]}{' (dirty)' if dirty else ''}"
-    return header, {**judge(ops), **attention_verdicts(attention)}
+    verdicts = {**judge(ops), **attention_verdicts(attention)}
+    # The TB/s targets are absolute (set on an H200): beside them, the share of the bandwidth a copy
+    # reached on the card that ran, which says how far a smaller card's figure is from its own peak.
+    for key, result in (("rmsnorm_backward_tbs", ops), ("decode_tbs", attention)):
+        v, copy = verdicts.get(key), result.get("copy_tbs")
+        if v and v["worst"] and copy:
+            v["worst"] += f" ({float(v['worst'].rsplit(': ', 1)[1]) / copy:.2f} of a copy's {copy:.2f})"
+    return header, verdicts
 
 
 def cell(verdict: dict | None) -> str:
