@@ -1,0 +1,88 @@
+"""A model, not a measurement: how long the attention backward's dk/dv grid would take if each CTA
+also added its share of dQ to global memory in a fixed order of key tiles, as a deterministic
+fused backward must (one kernel of five products instead of dk/dv's four plus dq's three).
+
+The grid is dk/dv's: one CTA per 128 keys of one kv head, blockIdx = tile * kv_heads + head, taken
+by the SMs in that order, one CTA an SM. A CTA walks the query rows its keys are seen by in 64-row
+steps, the group's q heads inside each step, one time unit a step. Under a fixed order, the CTA of
+key tile j may add step (rows, head)'s dQ only after the tile before it in that order has: it waits
+for it, one `flush` unit behind at least. Causal, one sequence, chunks of 128 rows (the benchmark's
+8k shape by default):
+
+    python benchmarks/attention_bwd_schedule.py [--tokens 8192 --kv-heads 8 --group 4 --sms 132]
+
+prints the time of each schedule over dk/dv's today (no dQ, no waits):
+- `ascending`: the walk as today (from the first row that sees the tile, down the sequence), tiles
+  adding in key order. Tile j reaches its first rows when tile j - 1 is still on its own first
+  chunk, so tile j starts one chunk's steps behind j - 1, and so on down the wave.
+- `descending`: the chunks walked from the last one back (rows inside a chunk as today), tiles
+  adding in key order. Every tile starts at the last chunk, so the turns only serialise the flushes.
+  dk/dv's chunk partials would then be added from the last chunk back, in the kernel, the CPU kernel
+  and the context-parallel reduce alike (today: from the first).
+A tile's turn can never wait on a tile the SMs take later, so neither schedule can deadlock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import sys
+from pathlib import Path
+
+STEP_ROWS, KEYS, CHUNK = 64, 128, 128
+
+
+def walk(tile: int, blocks: int, descending: bool) -> list[int]:
+    """The 64-row blocks tile `tile` visits, in order (causal: rows from the tile's own chunk on)."""
+    per_chunk = CHUNK // STEP_ROWS
+    chunks = range(tile * KEYS // CHUNK, blocks // per_chunk)
+    order = reversed(chunks) if descending else chunks
+    return [c * per_chunk + r for c in order for r in range(per_chunk)]
+
+
+def makespan(tokens: int, kv_heads: int, group: int, sms: int, order: str | None, flush: float = 0.05) -> float:
+    """Time until the last CTA ends; order None: no dQ turns (dk/dv today)."""
+    tiles, blocks = tokens // KEYS, tokens // STEP_ROWS
+    done: dict[tuple[int, int, int, int], float] = {}  # (tile, head, block, q head) -> its dQ added
+    free = [0.0] * sms
+    end = 0.0
+    for tile in range(tiles):  # blockIdx order: every earlier tile is on an SM or done
+        for kv in range(kv_heads):
+            t = heapq.heappop(free)
+            for block in walk(tile, blocks, order == "descending"):
+                for q in range(group):
+                    t += 1.0
+                    if order is not None and tile > 0:
+                        t = max(t, done[(tile - 1, kv, block, q)] + flush)
+                    done[(tile, kv, block, q)] = t
+            end = max(end, t)
+            heapq.heappush(free, t)
+    return end
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--group", type=int, default=4, help="q heads per kv head")
+    ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--out", type=Path, help="also write the figures as JSON here")
+    args = ap.parse_args(argv)
+    if args.tokens <= 0 or args.tokens % CHUNK or min(args.kv_heads, args.group, args.sms) <= 0:
+        ap.error(f"--tokens must be a positive multiple of {CHUNK}, the others positive")
+    shape = dict(tokens=args.tokens, kv_heads=args.kv_heads, group=args.group, sms=args.sms)
+    base = makespan(**shape, order=None)
+    rows = {order: makespan(**shape, order=order) / base for order in ("ascending", "descending")}
+    print(f"{shape}: dk/dv today {base:.0f} steps")
+    for order, ratio in rows.items():
+        print(f"  fused dQ, {order} walk: {ratio:.3f} of that time")
+    if args.out:
+        from rl_engine.artifacts.files import write_json
+
+        write_json(args.out, dict(kind="model", shape=shape, dkdv_steps=base, fused_over_dkdv=rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
