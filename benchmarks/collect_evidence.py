@@ -35,11 +35,19 @@ class EvidenceError(Exception):
 def _json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise EvidenceError(f"{path} is not JSON ({e}); run the step that writes it again")
     if not isinstance(data, dict):
         raise EvidenceError(f"{path} holds {type(data).__name__}, not a result object")
     return data
+
+
+def _result_or_none(path: Path) -> dict | None:
+    """A top-level JSON of a command's folder, or None where it is not a result object."""
+    try:
+        return _json(path)
+    except EvidenceError:
+        return None
 
 
 def recorded(data: dict) -> tuple[str, bool | None] | None:
@@ -59,7 +67,7 @@ class Filing:
         self.provenance: dict[str, dict] = {}
         self.commit: str | None = None
         self.device: str | None = None
-        self.left_out: list[Path] = []  # JSON that records no commit (nothing says what it measured)
+        self.left_out: list[Path] = []  # files of the commands' folders that are not filed
 
     def check(self, path: Path, data: dict) -> str:
         got = recorded(data)
@@ -82,10 +90,14 @@ class Filing:
         self.copies[name] = source
         self.provenance[name] = dict(how_known=how_known, **extra)
 
-    def add_result(self, name: str, path: Path) -> None:
-        data = _json(path)
+    def add_result(self, name: str, path: Path, data: dict | None = None) -> None:
+        data = _json(path) if data is None else data
         self.check(path, data)
-        self.device = self.device or data.get("device")
+        device = data.get("device")
+        if device and self.device and device != self.device:
+            raise EvidenceError(f"{path} ran on {device}, the other files on {self.device}: file each "
+                                "card's results in a folder of their own")
+        self.device = self.device or device
         self.add(name, path, "records it itself")
 
     def add_run(self, label: str, run: Path, out: Path) -> None:
@@ -93,6 +105,9 @@ class Filing:
         manifest = _json(run / "manifest.json")
         self.check(run / "manifest.json", manifest)
         run_id = manifest.get("run_id")
+        if not run_id:
+            raise EvidenceError(f"{run / 'manifest.json'} names no run_id: it is not a manifest `rlk run` "
+                                "wrote; keep the run folder as h200_e2e.sh does")
         self.add(f"{name}/manifest.json", run / "manifest.json", "records it (source_commit / "
                  "source_dirty)", run_id=run_id)
         for file in RUN_FILES[1:]:
@@ -121,19 +136,40 @@ class Filing:
             self.add_run(label, run, out)
         for path in sorted(out.glob("*.json")):
             if path.name.endswith("-trace-gate.json"):
-                continue  # filed with its run
-            if recorded(_json(path)) is not None:
-                self.add_result(path.name, path)
-            else:
-                self.left_out.append(path)
+                continue  # filed with its run, or left out below
+            data = _result_or_none(path)
+            if data is not None and recorded(data) is not None:
+                self.add_result(path.name, path, data)
         log = out / "cuda_tests.log"
         if log.exists():
             self.add("cuda_tests.log", log, f"the cuda_tests step of the {label} command")
+        filed = set(self.copies.values()) | {out / "steps.tsv"}
+        self.left_out += [p for p in sorted(out.rglob("*")) if p.is_file() and p not in filed]
+
+
+def check_inputs(files: list[Path], gpus: Path | None, card: str) -> str | None:
+    """Refuses what is wrong before anything is read; returns the CSV of the machine's GPUs."""
+    if not card or card in (".", "..") or "/" in card or "\\" in card:
+        raise EvidenceError(f"--card {card!r}: name the card's folder under the destination (h100, h200)")
+    for path in [*files, *([gpus] if gpus else [])]:
+        if not path.is_file():
+            raise EvidenceError(f"{path}: no such file; give the path of the result to file")
+    if gpus is None:
+        return None
+    try:
+        text = gpus.read_text()
+    except UnicodeDecodeError:
+        text = ""
+    if not text.startswith("name"):
+        raise EvidenceError(f"--gpus {gpus} is not nvidia-smi's CSV (its first line starts with `name`): "
+                            "write it with nvidia-smi --query-gpu=name,... --format=csv")
+    return text
 
 
 def file_evidence(commands: list[tuple[str, Path]], files: list[Path], gpus: Path | None,
                   card: str, dest: Path, command: str) -> tuple[Path, list[Path]]:
-    """The folder written, and the JSON left out of it for recording no commit."""
+    """The folder written, and the files of the commands' folders left out of it."""
+    gpus_csv = check_inputs(files, gpus, card)
     filing = Filing()
     for label, out in commands:
         filing.add_command(label, out)
@@ -142,6 +178,9 @@ def file_evidence(commands: list[tuple[str, Path]], files: list[Path], gpus: Pat
     if filing.commit is None:
         raise EvidenceError("nothing here records the commit it measured: give the $OUT folders of "
                             "h200_e2e.sh, whose results and runs record it")
+    if filing.device and card.lower() not in filing.device.lower().replace(" ", ""):
+        raise EvidenceError(f"the results ran on {filing.device}, not an {card}: give the card they "
+                            "ran on as --card")
     steps = [(label, out / "steps.tsv") for label, out in commands if (out / "steps.tsv").exists()]
     final = dest / card / filing.commit[:7]
     if final.exists():
@@ -159,8 +198,8 @@ def file_evidence(commands: list[tuple[str, Path]], files: list[Path], gpus: Pat
                                                     for label, path in steps))
             files_of["steps.tsv"] = dict(commit=filing.commit, dirty=False,
                                          how_known="the step tables of the commands above")
-        if gpus is not None:
-            shutil.copyfile(gpus, work / "gpus.csv")
+        if gpus_csv is not None:
+            (work / "gpus.csv").write_text(gpus_csv)
             files_of["gpus.csv"] = dict(commit="", dirty=False, how_known="nvidia-smi on the machine")
         provenance = dict(what="which code each result file here measured", device=filing.device or "unknown",
                           command=command or ", ".join(f"{label}: {out}" for label, out in commands),
@@ -194,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     except (EvidenceError, OSError) as e:
         print(f"collect_evidence: {e}", file=sys.stderr)
         return 2
-    for path in left_out:
-        print(f"collect_evidence: left out {path}: it records no commit", file=sys.stderr)
+    if left_out:
+        print(f"collect_evidence: not filed (logs, and files that record no commit or belong to no kept "
+              f"run): {', '.join(str(p) for p in left_out)}", file=sys.stderr)
     print(final)
     return 0
 

@@ -5,8 +5,9 @@ holding the hopper_ops.json and hopper_attention.json of one commit), as a Markd
     python benchmarks/hopper_status.py --update README.md
 
 --update rewrites the table between README.md's `<!-- hopper-status: FOLDER... -->` and
-`<!-- /hopper-status -->` lines from the folders the first one names, so that new evidence changes
-the README's table in one step; the tests hold the committed table to the committed JSON.
+`<!-- /hopper-status -->` lines from the folders the first one names (paths from the repository's
+root; printed tables take them from the current directory): name a new evidence folder on that line,
+then run it. The tests hold the committed table to the committed JSON.
 hopper_ops.json is judged again with hopper_targets.judge (not read from its stored verdict), the
 attention targets from the rows of hopper_attention.json. Needs no GPU.
 """
@@ -46,13 +47,20 @@ class StatusError(Exception):
 
 
 def _load(path: Path) -> dict:
+    if not path.parent.is_dir():
+        raise StatusError(f"{path.parent} is not a folder: give evidence folders, each holding the "
+                          "hopper_ops.json and hopper_attention.json of one commit")
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except FileNotFoundError:
         raise StatusError(f"{path} is missing: a folder needs the hopper_ops.json and "
                           "hopper_attention.json that benchmarks/hopper_ops.py and hopper_attention.py write")
-    except json.JSONDecodeError as e:
+    except (ValueError, UnicodeDecodeError) as e:
         raise StatusError(f"{path} is not JSON ({e}); write it again with its benchmark")
+    if not isinstance(data, dict):
+        raise StatusError(f"{path} holds {type(data).__name__}, not a benchmark result; write it again "
+                          "with its benchmark")
+    return data
 
 
 def attention_verdicts(result: dict) -> dict:
@@ -80,9 +88,15 @@ def column(folder: Path) -> tuple[str, dict]:
     ops, attention = _load(folder / "hopper_ops.json"), _load(folder / "hopper_attention.json")
     commits = {name: (d.get("source") or {}).get("commit") for name, d in
                (("hopper_ops.json", ops), ("hopper_attention.json", attention))}
-    if None in commits.values() or len(set(commits.values())) != 1:
+    if None in commits.values():
+        raise StatusError(f"{folder}: every result must record the commit it measured (`source`), but "
+                          f"the files record {commits}; run the benchmark again from a checkout")
+    if len(set(commits.values())) != 1:
         raise StatusError(f"{folder}: a column is one commit's, but its files record {commits}; keep "
                           "each commit's results in a folder of their own")
+    devices = {ops.get("device"), attention.get("device")} - {None}
+    if len(devices) > 1:
+        raise StatusError(f"{folder}: a column is one card's, but its files ran on {sorted(devices)}")
     dirty = any((d.get("source") or {}).get("dirty") is not False for d in (ops, attention))
     header = f"{ops.get('device', '?')}, {commits['hopper_ops.json'][:7]}{' (dirty)' if dirty else ''}"
     verdicts = {**judge(ops), **attention_verdicts(attention)}
@@ -116,13 +130,19 @@ def table(folders: list[Path]) -> str:
 
 def update(readme: Path) -> bool:
     """Rewrites readme's status table from the folders its marker names; True if it changed."""
-    text = readme.read_text()
+    try:
+        text = readme.read_text()
+    except OSError as e:
+        raise StatusError(f"--update {readme}: {e.strerror}; give the README that holds the table")
     lines = text.splitlines(keepends=True)
     starts = [i for i, line in enumerate(lines) if START.match(line.rstrip("\n"))]
     ends = [i for i, line in enumerate(lines) if line.rstrip("\n") == END]
-    if len(starts) != 1 or len(ends) != 1 or ends[0] < starts[0]:
+    if len(starts) != 1 or len(ends) != 1:
         raise StatusError(f"{readme} needs one `<!-- hopper-status: FOLDER... -->` line and, after it, one "
                           f"`{END}` line; found {len(starts)} and {len(ends)}")
+    if ends[0] < starts[0]:
+        raise StatusError(f"{readme}: `{END}` (line {ends[0] + 1}) comes before the `<!-- hopper-status: "
+                          f"... -->` line (line {starts[0] + 1}); put the table's markers around it in that order")
     folders = [ROOT / f for f in START.match(lines[starts[0]].rstrip("\n"))["folders"].split()]
     new = "".join(lines[:starts[0] + 1]) + table(folders) + "".join(lines[ends[0]:])
     if new == text:

@@ -40,6 +40,7 @@ def command_out(root: Path, run_id: str, benchmarks: bool, commit: str = COMMIT,
             write(root / name, dict(source=dict(commit=commit, dirty=dirty), device="NVIDIA H100 80GB HBM3"))
         (root / "cuda_tests.log").write_text("117 passed\n")
         write(root / "ipc_collectives.json", dict(rows=[]))
+        (root / "rows.json").write_text("[]")
     return root
 
 
@@ -55,7 +56,9 @@ def test_two_commands_become_one_folder_with_provenance_for_every_file(tmp_path,
     out = capsys.readouterr()
     folder = dest / "h100" / "19fe046"
     assert out.out.strip() == str(folder)
-    assert "left out" in out.err and "ipc_collectives.json" in out.err
+    # what is not filed is named: a result that records no commit, a run's log, a list
+    for name in ("ipc_collectives.json", "small/rr-tp1/run.log", "rows.json"):
+        assert name in out.err
     prov = json.loads((folder / "provenance.json").read_text())
     files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
     assert files == sorted([*prov["files"], "provenance.json"])
@@ -77,10 +80,11 @@ def test_two_commands_become_one_folder_with_provenance_for_every_file(tmp_path,
     assert "exists: an evidence folder is never written twice" in capsys.readouterr().err
 
 
-def refused(tmp_path, capsys, *commands: str) -> str:
+def refused(tmp_path, capsys, *arguments: str) -> str:
     dest = tmp_path / "results"
-    assert collect.main(["--card", "h100", "--dest", str(dest), *commands]) == 2
-    assert not (dest / "h100").exists() or not any((dest / "h100").iterdir())
+    card = [] if "--card" in arguments else ["--card", "h100"]
+    assert collect.main([*card, "--dest", str(dest), *arguments]) == 2
+    assert not dest.exists()  # nothing written, not even the card's folder
     return capsys.readouterr().err
 
 
@@ -95,9 +99,30 @@ def test_another_commit_a_dirty_tree_or_another_run_is_refused_and_nothing_writt
     assert "is not of run run-a" in refused(tmp_path, capsys, f"small={small}")
 
 
+def test_a_card_other_than_the_results_or_a_run_without_its_id_is_refused(tmp_path, capsys):
+    small = command_out(tmp_path / "small", "run-a", benchmarks=True)
+    assert "ran on NVIDIA H100 80GB HBM3, not an h200" in refused(tmp_path, capsys, "--card", "h200",
+                                                                 f"small={small}")
+    other = command_out(tmp_path / "other", "run-b", benchmarks=False)
+    write(other / "det_gemm_plans.json", dict(source=dict(commit=COMMIT, dirty=False), device="NVIDIA H200"))
+    assert "file each card's results in a folder of their own" in refused(
+        tmp_path, capsys, f"small={small}", f"other={other}")
+    write(small / "rr-tp1" / "manifest.json", dict(source_commit=COMMIT, source_dirty=False))
+    assert "names no run_id" in refused(tmp_path, capsys, f"small={small}")
+
+
 def test_bad_arguments_name_the_fix(tmp_path, capsys):
     assert "give LABEL=DIR" in refused(tmp_path, capsys, str(tmp_path))
     assert "not a folder" in refused(tmp_path, capsys, f"small={tmp_path / 'missing'}")
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "nothing here records the commit" in refused(tmp_path, capsys, f"empty={empty}")
+    small = command_out(tmp_path / "small", "run-a", benchmarks=True)
+    assert "--card '../x': name the card's folder" in refused(tmp_path, capsys, "--card", "../x", f"small={small}")
+    assert "no such file" in refused(tmp_path, capsys, f"small={small}", "--file", str(tmp_path / "no.json"))
+    script = tmp_path / "gpus.py"
+    script.write_text("print('not a csv')\n")
+    assert "is not nvidia-smi's CSV" in refused(tmp_path, capsys, f"small={small}", "--gpus", str(script))
+    garbled = tmp_path / "garbled.json"
+    garbled.write_bytes(b"\xff\xfe")
+    assert "garbled.json is not JSON" in refused(tmp_path, capsys, f"small={small}", "--file", str(garbled))

@@ -76,6 +76,21 @@ def test_a_folder_of_two_commits_or_without_a_file_is_refused(tmp_path, capsys):
     assert hopper_status.main([str(empty)]) == 2
     err = capsys.readouterr().err
     assert "hopper_ops.json is missing" in err and "benchmarks/hopper_ops.py" in err
+    assert hopper_status.main([str(mixed / "hopper_ops.json")]) == 2
+    assert "is not a folder: give evidence folders" in capsys.readouterr().err
+    listed = write_folder(tmp_path / "listed", "a" * 40)
+    (listed / "hopper_attention.json").write_text("[]")
+    assert hopper_status.main([str(listed)]) == 2
+    assert "holds list, not a benchmark result" in capsys.readouterr().err
+    unnamed = write_folder(tmp_path / "unnamed", "a" * 40)
+    (unnamed / "hopper_ops.json").write_text(json.dumps(dict(device="NVIDIA H200")))
+    assert hopper_status.main([str(unnamed)]) == 2
+    assert "must record the commit it measured" in capsys.readouterr().err
+    cards = write_folder(tmp_path / "cards", "a" * 40)
+    attention = json.loads((cards / "hopper_attention.json").read_text())
+    (cards / "hopper_attention.json").write_text(json.dumps({**attention, "device": "NVIDIA H100"}))
+    assert hopper_status.main([str(cards)]) == 2
+    assert "one card's, but its files ran on" in capsys.readouterr().err
 
 
 def test_update_rewrites_only_the_table_and_needs_its_markers(tmp_path, monkeypatch):
@@ -92,3 +107,7 @@ def test_update_rewrites_only_the_table_and_needs_its_markers(tmp_path, monkeypa
     with pytest.raises(hopper_status.StatusError, match="needs one `<!-- hopper-status"):
         hopper_status.update(readme)
     assert readme.read_text() == "intro\n<!-- /hopper-status -->\n"
+    readme.write_text("<!-- /hopper-status -->\n<!-- hopper-status: f -->\n")
+    with pytest.raises(hopper_status.StatusError, match=r"\(line 1\) comes before"):
+        hopper_status.update(readme)
+    assert hopper_status.main(["--update", str(tmp_path / "missing.md")]) == 2
