@@ -132,6 +132,7 @@ class Filing:
     def add_command(self, label: str, out: Path) -> None:
         if not out.is_dir():
             raise EvidenceError(f"{label}={out}: not a folder; give LABEL=DIR, DIR an h200_e2e.sh $OUT")
+        before = len(self.copies)
         for run in sorted(p for p in out.iterdir() if (p / "manifest.json").is_file()):
             self.add_run(label, run, out)
         for path in sorted(out.glob("*.json")):
@@ -141,8 +142,9 @@ class Filing:
             if data is not None and recorded(data) is not None:
                 self.add_result(path.name, path, data)
         log = out / "cuda_tests.log"
-        if log.exists():
-            self.add("cuda_tests.log", log, f"the cuda_tests step of the {label} command")
+        if log.exists() and len(self.copies) > before:  # a log names no commit; its folder's results do
+            self.add("cuda_tests.log", log, f"the cuda_tests step of the {label} command, whose results "
+                     "beside it record the commit")
         filed = set(self.copies.values()) | {out / "steps.tsv"}
         self.left_out += [p for p in sorted(out.rglob("*")) if p.is_file() and p not in filed]
 

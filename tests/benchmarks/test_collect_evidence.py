@@ -75,6 +75,13 @@ def test_two_commands_become_one_folder_with_provenance_for_every_file(tmp_path,
     assert (folder / "steps.tsv").read_text() == ("# small: step, exit code, seconds\nrr-tp1\t0\t40\n"
                                                   "# medium: step, exit code, seconds\nrr-tp1\t0\t40\n")
     assert (folder / "rr-tp1-small/manifest.json").read_bytes() == (small / "rr-tp1/manifest.json").read_bytes()
+    # a CUDA tests' log beside nothing that records a commit is not filed under one
+    logs_only = tmp_path / "logs_only"
+    logs_only.mkdir()
+    (logs_only / "cuda_tests.log").write_text("3 passed\n")
+    assert collect.main(["--card", "h100", "--dest", str(tmp_path / "other"), f"small={small}",
+                         f"logs={logs_only}"]) == 0
+    assert "logs_only/cuda_tests.log" in capsys.readouterr().err
     # never written twice
     assert collect.main(["--card", "h100", "--dest", str(dest), f"small={small}"]) == 2
     assert "exists: an evidence folder is never written twice" in capsys.readouterr().err
