@@ -147,9 +147,9 @@ def test_picks_measured_on_a_sweep(tmp_path):
     128 x 128: 2.3-13.8% faster at M = 192 in each of 9 sweeps; 4B's (K = 2560), between 2% slower
     and 4% faster, keeps 128 x 128. 4B's gate-up projection (N = 19456) at M = 96-100 runs 128 x 160
     (60% bar in one row block) instead of 128 x 256's part wave: 2.6-6.7% faster in 9 sweeps at
-    M = 96, 6.0% at 100; 8B's (N = 24576) keeps 128 x 192. 8B's down projection (K = 12288, one
-    range of 192 blocks) at M = 1-4 streams the weight in 64-row slabs, one an SM: 0-4.4% faster in
-    26 of 27 rows over 9 sweeps; M = 8 and the square shape (K = 4096, 2-5% slower) keep 32 rows."""
+    M = 96, 6.0% at 100; 8B's (N = 24576) keeps 128 x 192. 8B's down projection (K = 12288) at
+    M = 1-8 streams the weight in 32-row slabs: 64-row ones, one an SM, were 7-10% slower at M = 1-4
+    in both plan sweeps at 5f89127 (benchmarks/results/h100/5f89127/)."""
     out = build_and_run(tmp_path, "picks", PICKS)
     assert out.splitlines() == [
         "1030 1024 4096 128x128", "1030 1024 2560 128x128", "1025 1024 4096 128x128",
@@ -164,8 +164,8 @@ def test_picks_measured_on_a_sweep(tmp_path):
         "256 2560 9728 128x128 across", "64 4096 2560 32x64 swapped", "48 4096 4096 32x64 swapped",
         "64 4096 12288 64x32", "64 6144 2560 64x32", "32 4096 2560 32x32 swapped",
         "192 6144 4096 64x128", "160 6144 4096 64x128", "192 6144 2560 128x128", "96 19456 2560 128x160",
-        "100 19456 2560 128x160", "96 24576 4096 128x192", "1 4096 12288 64x8 swapped",
-        "4 4096 12288 64x8 swapped", "8 4096 12288 32x8 swapped", "2 4096 4096 32x8 swapped"], out
+        "100 19456 2560 128x160", "96 24576 4096 128x192", "1 4096 12288 32x8 swapped",
+        "4 4096 12288 32x8 swapped", "8 4096 12288 32x8 swapped", "2 4096 4096 32x8 swapped"], out
 
 
 PAIRS = r"""

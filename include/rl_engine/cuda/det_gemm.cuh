@@ -913,14 +913,6 @@ inline GemmPlan plan_det_gemm_in(int m, int n, int num_sms, const GemmSplit& spl
     if (m <= 192 && t.bm == 128 && t.bn == 128 && p.split.blocks >= 64 &&
         gemm_half_block_fits_64x128(m, n, num_sms))
       p.tile = {64, 128, false};
-    // At M <= 4 where K is one range of at least 192 blocks (Qwen3-8B's down projection, K = 12288),
-    // the weight in slabs of 64 rows instead of 32, one an SM: half the CTAs, each twice the weight
-    // rows over the same K chain. 8B's down projection (N = 4096, 64 slabs) at M = 1 / 2 / 4 was
-    // 0-4.4% faster (one row 0.2% slower, of 27) in the 9 H100 sweeps in benchmarks/results/h100/
-    // that time it; at M = 8 and at K = 4096 (the square shape, 2-5% slower) 32 rows stay. Among
-    // the benchmark's shapes this moves those three rows alone (det_gemm_replay.py).
-    if (m <= 4 && t.swap && t.bm == 32 && p.split.blocks >= 192 && (n + 63) / 64 <= num_sms)
-      p.tile = {64, t.bn, true};
     return p;
   }
   const int64_t tiles = static_cast<int64_t>((m + t.bm - 1) / t.bm) * ((n + t.bn - 1) / t.bn);
