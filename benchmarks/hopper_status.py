@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from collect_evidence import recorded  # noqa: E402
 from hopper_targets import TARGETS, judge  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,8 +87,9 @@ def attention_verdicts(result: dict) -> dict:
 def column(folder: Path) -> tuple[str, dict]:
     """(header, verdicts by row key) of one evidence folder."""
     ops, attention = _load(folder / "hopper_ops.json"), _load(folder / "hopper_attention.json")
-    commits = {name: (d.get("source") or {}).get("commit") for name, d in
+    sources = {name: recorded(d) or (None, None) for name, d in
                (("hopper_ops.json", ops), ("hopper_attention.json", attention))}
+    commits = {name: commit for name, (commit, _) in sources.items()}
     if None in commits.values():
         raise StatusError(f"{folder}: every result must record the commit it measured (`source`), but "
                           f"the files record {commits}; run the benchmark again from a checkout")
@@ -97,7 +99,7 @@ def column(folder: Path) -> tuple[str, dict]:
     devices = {ops.get("device"), attention.get("device")} - {None}
     if len(devices) > 1:
         raise StatusError(f"{folder}: a column is one card's, but its files ran on {sorted(devices)}")
-    dirty = any((d.get("source") or {}).get("dirty") is not False for d in (ops, attention))
+    dirty = any(dirty is not False for _, dirty in sources.values())
     header = f"{ops.get('device', '?')}, {commits['hopper_ops.json'][:7]}{' (dirty)' if dirty else ''}"
     verdicts = {**judge(ops), **attention_verdicts(attention)}
     # The TB/s targets are absolute (set on an H200): beside them, the share of the bandwidth a copy
