@@ -108,6 +108,13 @@ def column(folder: Path) -> tuple[str, dict]:
         v, copy = verdicts.get(key), result.get("copy_tbs")
         if v and v["worst"] and copy:
             v["worst"] += f" ({float(v['worst'].rsplit(': ', 1)[1]) / copy:.2f} of a copy's {copy:.2f})"
+    # Under the memory cap the backward recomputes the logits, so it runs three products the size of
+    # the LM-head GEMM where the plain path, holding its logits, runs two: the ratio the backward
+    # would reach at cuBLAS's own rate says how much of the miss that accounts for.
+    logp = {r.get("op"): r for r in ops.get("linear_logp", [])}
+    v, fwd, bwd = verdicts.get("linear_logp_backward_ratio"), logp.get("linear_logp"), logp.get("linear_logp_backward")
+    if v and v["worst"] and fwd and bwd and fwd.get("lm_head_gemm_ms") and bwd.get("p_ms"):
+        v["worst"] += f" (three LM-head GEMMs' time would give {bwd['p_ms'] / (3 * fwd['lm_head_gemm_ms']):.2f})"
     return header, verdicts
 
 

@@ -35,7 +35,10 @@ def write_folder(folder: Path, commit: str, attention_commit: str | None = None,
                gemm=[dict(op="det_gemm", shape="square", m=1, ratio=1.1, r_weight_tbs=3.0),
                      dict(op="det_gemm", shape="deep", m=128, ratio=0.8)],
                memory_bound=[dict(op="rmsnorm_backward", r_tbs=3.5)],
-               linear_logp=[dict(op="linear_logp", ratio=1.4, ratio_vs_lm_head_gemm=0.95, r_extra_peak_bytes=4e7)])
+               linear_logp=[dict(op="linear_logp", ratio=1.4, ratio_vs_lm_head_gemm=0.95, r_extra_peak_bytes=4e7,
+                                 lm_head_gemm_ms=10.0)])
+    if commit.startswith("b"):
+        ops["linear_logp"].append(dict(op="linear_logp_backward", r_ms=36.0, p_ms=27.0, ratio=0.75))
     attention = dict(source=dict(commit=attention_commit or commit, dirty=False),
                      targets=dict(forward_ratio=0.9, backward_ratio=0.75, decode_tbs=3.6),
                      prefill=[dict(tokens=4096, head_dim=128, forward_ratio=0.95, backward_ratio=0.8),
@@ -65,6 +68,9 @@ def test_each_target_says_met_or_missed_with_its_worst_row(tmp_path):
     assert rows["RMSNorm backward, TB/s (>= 3.4)"][1] == "met: 3.5 (0.88 of a copy's 4.00)"
     assert rows["linear_logp forward, of the LM-head GEMM (>= 1.0)"][0] == "**missed**: 0.95"
     assert rows["linear_logp backward, of the plain path (>= 1.0)"][0] == "not run"
+    # beside the backward, the ratio it would reach recomputing the logits at cuBLAS's rate: 27 / 30
+    assert rows["linear_logp backward, of the plain path (>= 1.0)"][1] == (
+        "**missed**: 0.75 (three LM-head GEMMs' time would give 0.90)")
 
 
 def test_a_folder_of_two_commits_or_without_a_file_is_refused(tmp_path, capsys):
