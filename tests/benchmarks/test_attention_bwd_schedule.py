@@ -1,6 +1,7 @@
 """benchmarks/attention_bwd_schedule.py models dk/dv's grid with dQ added in a fixed order of key
 tiles: the walk as today makes each tile start a chunk behind the one before it (a quarter longer
-at the 8k benchmark shape), a walk from the last chunk back only serialises the flushes."""
+at the 8k benchmark shape), a walk from the last chunk back only serialises the flushes, and turns
+in reverse key order cost no waits but need the short tiles launched first."""
 
 from __future__ import annotations
 
@@ -44,14 +45,28 @@ def test_turns_in_key_order_lag_a_chunk_a_tile_on_todays_walk_and_not_on_the_rev
     assert schedule.makespan(**small, order="ascending") == pytest.approx(16.0 + 7 * 0.05)
 
 
+def test_turns_from_the_last_tile_never_wait_but_launch_the_longest_walk_last():
+    # every tile on an SM at once: tile j + 1 reaches each block one step before tile j does
+    small = dict(tokens=1024, kv_heads=1, group=1, sms=8)
+    assert schedule.makespan(**small, order="last_tile_first") == 16.0
+    # two SMs for four tiles of 8, 6, 4 and 2 steps: from tile 0, tiles 0 and 1 first, then 2 after
+    # tile 1 (6 + 4) and 3 after tile 0 (8 + 2); from the last tile, 3 and 2 first, then 1 after
+    # tile 3 (2 + 6) and 0 after tile 2 (4 + 8), never waiting on tile 1, which is a step ahead
+    two = dict(tokens=512, kv_heads=1, group=1, sms=2)
+    assert schedule.makespan(**two, order=None) == 10.0
+    assert schedule.makespan(**two, order="last_tile_first") == 12.0
+    shape = dict(tokens=8192, kv_heads=8, group=4, sms=132)
+    assert schedule.makespan(**shape, order="last_tile_first") / schedule.makespan(**shape, order=None) > 1.2
+
+
 def test_the_command_prints_and_writes_the_ratios(tmp_path, capsys):
     out = tmp_path / "model.json"
     assert schedule.main(["--tokens", "1024", "--kv-heads", "1", "--group", "1", "--sms", "8",
                           "--out", str(out)]) == 0
-    assert "fused dQ, ascending walk" in capsys.readouterr().out
+    assert "fused dQ, ascending: 1.022 of that time" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["kind"] == "model" and data["dkdv_steps"] == 16.0
-    assert set(data["fused_over_dkdv"]) == {"ascending", "descending"}
+    assert set(data["fused_over_dkdv"]) == {"ascending", "descending", "last_tile_first"}
     with pytest.raises(SystemExit) as e:
         schedule.main(["--tokens", "1000"])
     assert e.value.code == 2
