@@ -104,7 +104,7 @@ int main() {
                           {48, 4096, 4096}, {64, 4096, 12288}, {64, 6144, 2560}, {32, 4096, 2560},
                           {192, 6144, 4096}, {160, 6144, 4096}, {192, 6144, 2560}, {96, 19456, 2560},
                           {100, 19456, 2560}, {96, 24576, 4096}, {1, 4096, 12288}, {4, 4096, 12288},
-                          {8, 4096, 12288}, {2, 4096, 4096}};
+                          {8, 4096, 12288}, {2, 4096, 4096}, {2, 4096, 12288}, {1, 4096, 4096}};
   for (const auto& c : cases) {
     const GemmPlan p = plan_det_gemm(c[0], c[1], c[2], 132, true);
     std::printf("%d %d %d %dx%d%s%s\n", c[0], c[1], c[2], p.tile.bm, p.tile.bn, p.tile.swap ? " swapped" : "",
@@ -147,9 +147,12 @@ def test_picks_measured_on_a_sweep(tmp_path):
     128 x 128: 2.3-13.8% faster at M = 192 in each of 9 sweeps; 4B's (K = 2560), between 2% slower
     and 4% faster, keeps 128 x 128. 4B's gate-up projection (N = 19456) at M = 96-100 runs 128 x 160
     (60% bar in one row block) instead of 128 x 256's part wave: 2.6-6.7% faster in 9 sweeps at
-    M = 96, 6.0% at 100; 8B's (N = 24576) keeps 128 x 192. 8B's down projection (K = 12288) at
-    M = 1-8 streams the weight in 32-row slabs: 64-row ones, one an SM, were 7-10% slower at M = 1-4
-    in both plan sweeps at 5f89127 (benchmarks/results/h100/5f89127/)."""
+    M = 96, 6.0% at 100; 8B's (N = 24576) keeps 128 x 192. 8B's down projection (K = 12288) never
+    streams the weight in 64-row slabs: one an SM, they were 7-10% slower at M = 1-4 in both plan
+    sweeps at 5f89127 (benchmarks/results/h100/5f89127/). At M = 1-2 it streams 16-row slabs, two
+    CTAs an SM: faster than 32-row ones in 11 / 12 of 13 sweeps (median 0.7% / 1.7%, 3-5% in the
+    latest three, 1d955c4/ among them); M = 4-8 and the square shape's K = 4096 (16 rows 1-8% slower
+    in every sweep) keep 32."""
     out = build_and_run(tmp_path, "picks", PICKS)
     assert out.splitlines() == [
         "1030 1024 4096 128x128", "1030 1024 2560 128x128", "1025 1024 4096 128x128",
@@ -164,8 +167,9 @@ def test_picks_measured_on_a_sweep(tmp_path):
         "256 2560 9728 128x128 across", "64 4096 2560 32x64 swapped", "48 4096 4096 32x64 swapped",
         "64 4096 12288 64x32", "64 6144 2560 64x32", "32 4096 2560 32x32 swapped",
         "192 6144 4096 64x128", "160 6144 4096 64x128", "192 6144 2560 128x128", "96 19456 2560 128x160",
-        "100 19456 2560 128x160", "96 24576 4096 128x192", "1 4096 12288 32x8 swapped",
-        "4 4096 12288 32x8 swapped", "8 4096 12288 32x8 swapped", "2 4096 4096 32x8 swapped"], out
+        "100 19456 2560 128x160", "96 24576 4096 128x192", "1 4096 12288 16x8 swapped",
+        "4 4096 12288 32x8 swapped", "8 4096 12288 32x8 swapped", "2 4096 4096 32x8 swapped",
+        "2 4096 12288 16x8 swapped", "1 4096 4096 32x8 swapped"], out
 
 
 PAIRS = r"""
