@@ -3,7 +3,9 @@
 `start(factory, world, ...)` starts `world` ranks, local processes (default) or Ray actors
 (RLK_LAUNCHER=ray), that join one group and each build `factory(rank, world, *args)` once; then
 `Group.call(method, *args)` runs that method of every rank's object and returns the results in rank
-order, as often as the run needs. `launch(fn, world)` is the one-shot form.
+order, as often as the run needs. `launch(fn, world)` is the one-shot form. `start(..., wait=False)`
+returns once the ranks are on their way, so that two groups (a trainer's and a rollout engine's)
+build at once; `Group.ready()` then waits for the build, before any call.
 
 A rank that fails fails the whole group promptly with its side, rank and error (WorkerFailed, exit
 code 3), and the group's other ranks are killed; a parent killed with SIGKILL leaves no local rank
@@ -213,6 +215,9 @@ class _Local:
         for p in self.procs:
             p.start()
 
+    def ready(self, timeout: float | None) -> None:
+        self.collect(timeout)
+
     def collect(self, timeout: float | None) -> list[Any]:
         out: dict[int, Any] = {}
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -396,8 +401,11 @@ class _Ray:
         env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
         if device == "cuda":
             env.update(CUDA_ENV)
-        self.wait([a.setup.remote(r, world, f"tcp://{host}:{port}", factory, args, env, device)
-                   for r, a in enumerate(self.actors)], envs.RLK_WORKER_START_TIMEOUT)
+        self.setups = [a.setup.remote(r, world, f"tcp://{host}:{port}", factory, args, env, device)
+                       for r, a in enumerate(self.actors)]
+
+    def ready(self, timeout: float | None) -> None:
+        self.wait(self.setups, timeout)
 
     def wait(self, refs: list, timeout: float | None) -> list[Any]:
         import ray
@@ -448,6 +456,19 @@ class Group:
 
     def __init__(self, backend: _Local | _Ray, name: str):
         self.backend, self.name, self.failed, self.closed = backend, name, False, False
+        self.built = False
+
+    def ready(self, timeout: float | None = None) -> Group:
+        """Waits until every rank has built its object (RLK_WORKER_START_TIMEOUT unless timeout)."""
+        if not self.built:
+            try:
+                self.backend.ready(timeout if timeout is not None else envs.RLK_WORKER_START_TIMEOUT)
+            except BaseException:
+                self.failed = True
+                self.close()
+                raise
+            self.built = True
+        return self
 
     @property
     def world(self) -> int:
@@ -457,6 +478,8 @@ class Group:
         """object.method(*args) on every rank; the results in rank order."""
         if self.closed:
             raise InfrastructureError(f"the {self.name} ranks were already stopped")
+        if not self.built:
+            raise InfrastructureError(f"the {self.name} ranks were called before ready()")
         try:
             return self.backend.call(method, args, timeout)
         except BaseException:
@@ -478,23 +501,19 @@ class Group:
 
 
 def start(factory: Callable[..., Any], world: int, *, args: tuple = (), device: str = "cpu",
-          first_gpu: int = 0, name: str = "worker", timeout: float | None = None) -> Group:
-    """Starts `world` ranks that each build factory(rank, world, *args) once. On CUDA local rank r
-    takes GPU first_gpu + r of this machine (Ray places its ranks itself)."""
+          first_gpu: int = 0, name: str = "worker", timeout: float | None = None,
+          wait: bool = True) -> Group:
+    """Starts `world` ranks that each build factory(rank, world, *args) once, and waits for the
+    build (or, with wait=False, leaves that to Group.ready()). On CUDA local rank r takes GPU
+    first_gpu + r of this machine (Ray places its ranks itself)."""
     if device not in DEVICES:
         raise ValueError(f"device {device!r}: use cpu or cuda")
     if envs.RLK_LAUNCHER == "ray":
-        return Group(_Ray(factory, world, args, device, name), name)
-    check_devices(first_gpu + world, device)
-    backend = _Local(factory, world, args, device, first_gpu, name)
-    group = Group(backend, name)
-    try:
-        backend.collect(timeout if timeout is not None else envs.RLK_WORKER_START_TIMEOUT)
-    except BaseException:
-        group.failed = True
-        group.close()
-        raise
-    return group
+        group = Group(_Ray(factory, world, args, device, name), name)
+    else:
+        check_devices(first_gpu + world, device)
+        group = Group(_Local(factory, world, args, device, first_gpu, name), name)
+    return group.ready(timeout) if wait else group
 
 
 def launch(fn: Callable[..., Any], world: int, *, args: tuple = (), timeout: float | None = None,

@@ -165,10 +165,13 @@ def run_steps(*, plan: Plan, config: StepConfig, inputs: Inputs, run: RunDir, ru
     t0 = time.monotonic()
     on_phase(f"starting {config.actor_gpus} training and {config.rollout_gpus} rollout ranks")
     try:
+        # Both sides build at once (imports, model loads), each in its own processes.
         with start(rank_class("training", config.trainer), config.actor_gpus, args=(trainer_spec,), device=config.device,
-                   name="training") as trainers, \
+                   name="training", wait=False) as trainers, \
                 start(rollout_cls, rollout_world(rollout_cls, config), args=(rollout_job,), device=config.device,
-                      first_gpu=config.rollout_first_gpu, name="rollout") as rollouts:
+                      first_gpu=config.rollout_first_gpu, name="rollout", wait=False) as rollouts:
+            trainers.ready()
+            rollouts.ready()
             held = set(rollouts.call("weights_checksum"))
             if held != {checkpoint_digest}:
                 raise InfrastructureError(f"rollout ranks loaded {sorted(held)}, the checkpoint is "
