@@ -4,8 +4,17 @@
 
 prints torch.profiler's table of one backward call (8192 tokens, H = 4096, V = 151936, bf16), then
 each of its three products on one full vocab chunk against cuBLAS on the same shape (hopper_ops'
-time_pair: medians, timed alternately), then the whole backward.
+time_pair: medians, timed alternately), then the whole backward. Last, where the time between those
+goes: the kernels' summed time against the span from the first kernel's start to the last one's end
+over three calls (a gap is time the GPU waited on the host), and eight calls back to back, each
+timed, with the SM clock and power nvidia-smi samples meanwhile (a clock that falls as the calls go
+on is the card's power limit, not the kernels).
 """
+
+import shutil
+import statistics
+import subprocess
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -50,6 +59,53 @@ def main() -> None:
         r_ms, p_ms = time_pair(ours, cublas, 10)
         print(f"cublas {name} chunk {p_ms:.3f} ms, ours {r_ms:.3f}")
     print(f"whole backward {time_pair(backward, lambda: None, 3)[0]:.3f} ms")
+    kernel_span(backward)
+    back_to_back(backward)
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def kernel_span(fn, calls: int = 3) -> None:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    busy = sum(e.time_range.end - e.time_range.start for e in kernels) / 1e3
+    span = (kernels[-1].time_range.end - kernels[0].time_range.start) / 1e3
+    print(f"{calls} calls: {len(kernels)} kernels, {busy:.2f} ms of kernel time in a span of {span:.2f} ms")
+
+
+def back_to_back(fn, calls: int = 8) -> None:
+    time.sleep(2)  # the card idles first, as before a training step's backward
+    smi = shutil.which("nvidia-smi")
+    sampler = subprocess.Popen([smi, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                                "-lms", "50"], stdout=subprocess.PIPE, text=True) if smi else None
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(calls + 1)]
+    events[0].record()
+    for e in events[1:]:
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    ms = [round(a.elapsed_time(b), 2) for a, b in zip(events, events[1:])]
+    print(f"{calls} calls back to back, ms each: {ms}")
+    if sampler:
+        sampler.terminate()
+        rows = [line.split(",") for line in sampler.communicate()[0].splitlines() if line.count(",") == 1]
+        rows = [(c, w) for c, w in rows if _number(c) and _number(w)]  # "[N/A]" where a card lacks one
+        clock = [float(c) for c, _ in rows]
+        power = [float(w) for _, w in rows]
+        if clock:
+            print(f"meanwhile: SM clock MHz min {min(clock):.0f}, median {statistics.median(clock):.0f}, "
+                  f"max {max(clock):.0f}; power W median {statistics.median(power):.0f}, max {max(power):.0f} "
+                  f"({len(clock)} samples)")
 
 
 if __name__ == "__main__":
