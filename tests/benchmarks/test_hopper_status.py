@@ -39,6 +39,8 @@ def write_folder(folder: Path, commit: str, attention_commit: str | None = None,
                                  lm_head_gemm_ms=10.0)])
     if commit.startswith("b"):
         ops["linear_logp"].append(dict(op="linear_logp_backward", r_ms=36.0, p_ms=27.0, ratio=0.75))
+        ops["gemm"] += [dict(op="det_gemm", shape="4b_kv", m=2, ratio=1.2, r_weight_tbs=1.2, p_weight_tbs=1.0),
+                        dict(op="det_gemm", shape="4b_q", m=2, ratio=0.9, r_weight_tbs=2.2, p_weight_tbs=2.5)]
     attention = dict(source=dict(commit=attention_commit or commit, dirty=False),
                      targets=dict(forward_ratio=0.9, backward_ratio=0.75, decode_tbs=3.6),
                      prefill=[dict(tokens=4096, head_dim=128, forward_ratio=0.95, backward_ratio=0.8),
@@ -68,6 +70,9 @@ def test_each_target_says_met_or_missed_with_its_worst_row(tmp_path):
     assert rows["RMSNorm backward, TB/s (>= 3.4)"][1] == "met: 3.5 (0.88 of a copy's 4.00)"
     assert rows["linear_logp forward, of the LM-head GEMM (>= 1.0)"][0] == "**missed**: 0.95"
     assert rows["linear_logp backward, of the plain path (>= 1.0)"][0] == "not run"
+    # of the two rows under half of 4.8 TB/s, cuBLAS streams one (2.5 TB/s) and misses the other
+    assert rows["det_gemm's weight stream at M <= 16, of HBM (>= 0.5)"][1] == (
+        "**missed**: 1 / 3 rows; worst 4b_kv m=2: 0.25 (cuBLAS also under 0.5 on 1 of the 2 rows missed)")
     # beside the backward, the ratio it would reach recomputing the logits at cuBLAS's rate: 27 / 30
     assert rows["linear_logp backward, of the plain path (>= 1.0)"][1] == (
         "**missed**: 0.75 (three LM-head GEMMs' time would give 0.90)")
