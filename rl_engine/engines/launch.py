@@ -5,7 +5,8 @@
 `Group.call(method, *args)` runs that method of every rank's object and returns the results in rank
 order, as often as the run needs. `launch(fn, world)` is the one-shot form. `start(..., wait=False)`
 returns once the ranks are on their way, so that two groups (a trainer's and a rollout engine's)
-build at once; `Group.ready()` then waits for the build, before any call.
+build at once; `Group.ready()`, or `ready_all(...)` for several, then waits for the build, before
+any call. Local ranks meet at a store their parent serves on a port it bound before they start.
 
 A rank that fails fails the whole group promptly with its side, rank and error (WorkerFailed, exit
 code 3), and the group's other ranks are killed; a parent killed with SIGKILL leaves no local rank
@@ -29,6 +30,7 @@ import queue
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -79,7 +81,11 @@ def check_devices(world: int, device: str) -> None:
 
 
 def init_rank(rank: int, world: int, init_method: str, device: str, local_rank: int) -> None:
-    """Joins this process to the group as `rank`; on CUDA it first takes its GPU."""
+    """Joins this process to the group as `rank`; on CUDA it first takes its GPU. init_method is
+    tcp://host:port (rank 0 serves the group's store there) or store://host:port (a store that
+    another process already serves)."""
+    import datetime
+
     import torch
     import torch.distributed as dist
 
@@ -88,7 +94,13 @@ def init_rank(rank: int, world: int, init_method: str, device: str, local_rank: 
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    if init_method.startswith("store://"):
+        host, port = init_method.removeprefix("store://").rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), world, is_master=False,
+                              timeout=datetime.timedelta(seconds=envs.RLK_WORKER_START_TIMEOUT))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    else:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
 
 
 def rank_device(device: str):
@@ -169,7 +181,7 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(3)
 
 
-def _serve(rank: int, world: int, port: int, payload: bytes, commands, results, device: str,
+def _serve(rank: int, world: int, init: str, payload: bytes, commands, results, device: str,
            parent_pid: int, first_gpu: int) -> None:
     # The factory and its arguments arrive as bytes and are unpickled only here, after the death
     # signal is armed: unpickling imports torch and the engines, seconds during which the parent
@@ -178,7 +190,7 @@ def _serve(rank: int, world: int, port: int, payload: bytes, commands, results, 
     factory, args = pickle.loads(payload)
     obj = None
     try:
-        _prepare_rank(rank, world, f"tcp://127.0.0.1:{port}", device, first_gpu + rank)
+        _prepare_rank(rank, world, init, device, first_gpu + rank)
         obj = factory(rank, world, *args)
         results.put((rank, "ok", pickle.dumps(None)))
         while (command := commands.get()) is not None:
@@ -208,8 +220,13 @@ class _Local:
         self.world, self.name = world, name
         self.results = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(world)]
-        port, payload = free_port(), pickle.dumps((factory, args))
-        self.procs = [ctx.Process(target=_serve, args=(r, world, port, payload, self.commands[r],
+        # The group's store is served from here, on a port bound now: a port only chosen here and
+        # bound later by rank 0 could be taken meanwhile by a group building beside this one.
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        init, payload = f"store://127.0.0.1:{self.store.port}", pickle.dumps((factory, args))
+        self.procs = [ctx.Process(target=_serve, args=(r, world, init, payload, self.commands[r],
                                                        self.results, device, os.getpid(), first_gpu),
                                   daemon=True) for r in range(world)]
         for p in self.procs:
@@ -256,6 +273,7 @@ class _Local:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(timeout=5)
+        self.store = None
 
 
 # -- Ray actors -----------------------------------------------------------------------------------
@@ -386,18 +404,22 @@ class _Ray:
         self.pg = placement_group([dict(bundle) for _ in range(world)],
                                   strategy="STRICT_PACK" if device == "cuda" else "PACK")
         try:
-            ray.get(self.pg.ready(), timeout=envs.RLK_WORKER_START_TIMEOUT)
-        except GetTimeoutError:
-            raise WorkerFailed(f"Ray could not place {world} {name} ranks of {bundle} within "
-                               f"{envs.RLK_WORKER_START_TIMEOUT} s") from None
-        actor_cls = _rank_actor_class()
-        self.actors = [actor_cls.options(**actor_options(self.pg, r, gpus, device)).remote()
-                       for r in range(world)]
-        try:
-            host = ray.get(self.actors[0].address.remote(), timeout=envs.RLK_WORKER_START_TIMEOUT)
-            port = ray.get(self.actors[0].free_port.remote(), timeout=envs.RLK_WORKER_START_TIMEOUT)
-        except (GetTimeoutError, RayActorError) as exc:
-            raise WorkerFailed(f"{name} rank 0 of {world} did not start: {_failure(exc)}") from None
+            try:
+                ray.get(self.pg.ready(), timeout=envs.RLK_WORKER_START_TIMEOUT)
+            except GetTimeoutError:
+                raise WorkerFailed(f"Ray could not place {world} {name} ranks of {bundle} within "
+                                   f"{envs.RLK_WORKER_START_TIMEOUT} s") from None
+            actor_cls = _rank_actor_class()
+            self.actors = [actor_cls.options(**actor_options(self.pg, r, gpus, device)).remote()
+                           for r in range(world)]
+            try:
+                host = ray.get(self.actors[0].address.remote(), timeout=envs.RLK_WORKER_START_TIMEOUT)
+                port = ray.get(self.actors[0].free_port.remote(), timeout=envs.RLK_WORKER_START_TIMEOUT)
+            except (GetTimeoutError, RayActorError) as exc:
+                raise WorkerFailed(f"{name} rank 0 of {world} did not start: {_failure(exc)}") from None
+        except BaseException:
+            self.close(failed=True)  # no Group holds this yet: its actors and placement go now
+            raise
         env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
         if device == "cuda":
             env.update(CUDA_ENV)
@@ -454,15 +476,19 @@ class _Ray:
 class Group:
     """Resident ranks of one side; use as a context manager, or close() it."""
 
-    def __init__(self, backend: _Local | _Ray, name: str):
+    def __init__(self, backend: _Local | _Ray, name: str, timeout: float | None = None):
         self.backend, self.name, self.failed, self.closed = backend, name, False, False
-        self.built = False
+        self.built, self.closing = False, threading.Lock()
+        # How long the build may take: start()'s timeout, else RLK_WORKER_START_TIMEOUT.
+        self.start_timeout = timeout if timeout is not None else envs.RLK_WORKER_START_TIMEOUT
 
-    def ready(self, timeout: float | None = None) -> Group:
-        """Waits until every rank has built its object (RLK_WORKER_START_TIMEOUT unless timeout)."""
+    def ready(self) -> Group:
+        """Waits until every rank has built its object; a failed build fails and stops the group."""
+        if self.closed:
+            raise InfrastructureError(f"the {self.name} ranks were already stopped")
         if not self.built:
             try:
-                self.backend.ready(timeout if timeout is not None else envs.RLK_WORKER_START_TIMEOUT)
+                self.backend.ready(self.start_timeout)
             except BaseException:
                 self.failed = True
                 self.close()
@@ -488,9 +514,10 @@ class Group:
             raise
 
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.backend.close(self.failed)
+        with self.closing:  # ready_all may stop a group from another thread
+            if not self.closed:
+                self.closed = True
+                self.backend.close(self.failed)
 
     def __enter__(self) -> Group:
         return self
@@ -509,11 +536,37 @@ def start(factory: Callable[..., Any], world: int, *, args: tuple = (), device: 
     if device not in DEVICES:
         raise ValueError(f"device {device!r}: use cpu or cuda")
     if envs.RLK_LAUNCHER == "ray":
-        group = Group(_Ray(factory, world, args, device, name), name)
+        group = Group(_Ray(factory, world, args, device, name), name, timeout)
     else:
         check_devices(first_gpu + world, device)
-        group = Group(_Local(factory, world, args, device, first_gpu, name), name)
-    return group.ready(timeout) if wait else group
+        group = Group(_Local(factory, world, args, device, first_gpu, name), name, timeout)
+    return group.ready() if wait else group
+
+
+def ready_all(*groups: Group) -> None:
+    """ready() on groups that build at once, waiting on all of them together: the first build to
+    fail stops every group (so a failure on one side is not held back by the other's build) and is
+    the error raised."""
+    failures: list[BaseException] = []
+
+    def wait(group: Group) -> None:
+        try:
+            group.ready()
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+            failures.append(exc)
+            for other in groups:
+                if other is not group and not other.closed:
+                    other.failed = True
+                    other.close()
+
+    threads = [threading.Thread(target=wait, args=(g,), daemon=True, name=f"ready-{g.name}")
+               for g in groups]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failures:
+        raise failures[0]
 
 
 def launch(fn: Callable[..., Any], world: int, *, args: tuple = (), timeout: float | None = None,

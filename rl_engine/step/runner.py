@@ -26,7 +26,7 @@ from rl_engine.evidence.compare import compare
 from rl_engine.evidence.layout import RunDir
 from rl_engine.engines import sync
 from rl_engine.engines.interface import rank_class
-from rl_engine.engines.launch import Group, start
+from rl_engine.engines.launch import Group, ready_all, start
 from rl_engine.engines.rollout.worker import RolloutJob, merge_samples
 from rl_engine.engines.train.packing import Sample as TrainSample
 from rl_engine.engines.train.rank import TrainerSpec
@@ -170,8 +170,7 @@ def run_steps(*, plan: Plan, config: StepConfig, inputs: Inputs, run: RunDir, ru
                    name="training", wait=False) as trainers, \
                 start(rollout_cls, rollout_world(rollout_cls, config), args=(rollout_job,), device=config.device,
                       first_gpu=config.rollout_first_gpu, name="rollout", wait=False) as rollouts:
-            trainers.ready()
-            rollouts.ready()
+            ready_all(trainers, rollouts)
             held = set(rollouts.call("weights_checksum"))
             if held != {checkpoint_digest}:
                 raise InfrastructureError(f"rollout ranks loaded {sorted(held)}, the checkpoint is "

@@ -151,8 +151,8 @@ def test_picks_measured_on_a_sweep(tmp_path):
     streams the weight in 64-row slabs: one an SM, they were 7-10% slower at M = 1-4 in both plan
     sweeps at 5f89127 (benchmarks/results/h100/5f89127/). At M = 1-2 it streams 16-row slabs, two
     CTAs an SM: faster than 32-row ones in 11 / 12 of 13 sweeps (median 0.7% / 1.7%, 3-5% in the
-    latest three, 1d955c4/ among them); M = 4-8 and the square shape's K = 4096 (16 rows 1-8% slower
-    in every sweep) keep 32."""
+    latest three, 1d955c4/ among them); M = 4-8 (a coin toss) and the square shape's K = 4096 (16
+    rows 1-8% slower in every sweep) keep 32."""
     out = build_and_run(tmp_path, "picks", PICKS)
     assert out.splitlines() == [
         "1030 1024 4096 128x128", "1030 1024 2560 128x128", "1025 1024 4096 128x128",

@@ -917,11 +917,13 @@ inline GemmPlan plan_det_gemm_in(int m, int n, int num_sms, const GemmSplit& spl
     // the weight in slabs of 16 rows instead of 32, two CTAs an SM over the same rows, each on its
     // own K chain: 8B's down projection at M = 1 / 2 was faster on 16 rows in 11 / 12 of the 13
     // H100 sweeps in benchmarks/results/h100/ that time both (median 0.7% / 1.7%, up to 3.6% /
-    // 5.2%; the others within 2.5%), and by 3-5% in the three latest. At M = 4 it was a coin toss
-    // (7 of 13), and at K = 2560-4096 (4B's q projection, the square and wide shapes) 16 rows were
-    // 1-8% slower at M = 1-4 in every sweep, so those keep 32. det_gemm_replay.py moves those two
-    // rows alone.
-    if (m <= 2 && t.swap && t.bm == 32 && p.split.blocks >= 192) p.tile = {16, t.bn, true};
+    // 5.2%; the others within 2.5%), and by 3-5% in the three latest (deep-only sweeps). At M = 4
+    // it was a coin toss (8 of 13), and at K = 2560-4096 (4B's q projection, the square and wide
+    // shapes) 16 rows were 1-8% slower at M = 1-4 in every sweep, so those keep 32. Only where the
+    // 16-row slabs stay within two an SM: among the benchmark's shapes det_gemm_replay.py moves
+    // those two rows alone; elsewhere, untimed, N = 3073-4224 at K >= 12288 on 132 SMs.
+    if (m <= 2 && t.swap && t.bm == 32 && p.split.blocks >= 192 && (n + 15) / 16 <= 2 * num_sms)
+      p.tile = {16, t.bn, true};
     return p;
   }
   const int64_t tiles = static_cast<int64_t>((m + t.bm - 1) / t.bm) * ((n + t.bn - 1) / t.bn);
