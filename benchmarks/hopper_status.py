@@ -109,21 +109,22 @@ def column(folder: Path) -> tuple[str, dict]:
         if v and v["worst"] and copy:
             v["worst"] += f" ({float(v['worst'].rsplit(': ', 1)[1]) / copy:.2f} of a copy's {copy:.2f})"
     # The weight-stream bar is absolute too: beside it, how many of the rows that miss it cuBLAS
-    # misses as well (a small weight streams in less time than a launch's latency).
+    # misses as well.
     v, peak = verdicts.get("det_gemm_weight_stream_hbm_fraction"), ops.get("datasheet_tbs", DATASHEET_TBS)
     stream = [r for r in ops.get("gemm", []) if r.get("op") == "det_gemm" and r["m"] <= WEIGHT_STREAM_M
               and "r_weight_tbs" in r and "p_weight_tbs" in r]
     missed = [r for r in stream if r["r_weight_tbs"] / peak < v["target"]] if v and v["worst"] else []
     if missed:
         both = sum(1 for r in missed if r["p_weight_tbs"] / peak < v["target"])
-        v["worst"] += f" (cuBLAS also under {v['target']:g} on {both} of the {len(missed)} rows missed)"
+        which = f"all {len(missed)}" if both == len(missed) else f"{both} of the {len(missed)}"
+        v["worst"] += f" (cuBLAS also under {v['target']:g} on {which} rows missed)"
     # Under the memory cap the backward recomputes the logits, so it runs three products the size of
     # the LM-head GEMM where the plain path, holding its logits, runs two: the ratio the backward
     # would reach at cuBLAS's own rate says how much of the miss that accounts for.
     logp = {r.get("op"): r for r in ops.get("linear_logp", [])}
     v, fwd, bwd = verdicts.get("linear_logp_backward_ratio"), logp.get("linear_logp"), logp.get("linear_logp_backward")
     if v and v["worst"] and fwd and bwd and fwd.get("lm_head_gemm_ms") and bwd.get("p_ms"):
-        v["worst"] += f" (three LM-head GEMMs' time would give {bwd['p_ms'] / (3 * fwd['lm_head_gemm_ms']):.2f})"
+        v["worst"] += f" ({bwd['p_ms'] / (3 * fwd['lm_head_gemm_ms']):.2f} if it took three LM-head GEMMs' time)"
     return header, verdicts
 
 

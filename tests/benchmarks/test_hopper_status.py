@@ -75,7 +75,7 @@ def test_each_target_says_met_or_missed_with_its_worst_row(tmp_path):
         "**missed**: 1 / 3 rows; worst 4b_kv m=2: 0.25 (cuBLAS also under 0.5 on 1 of the 2 rows missed)")
     # beside the backward, the ratio it would reach recomputing the logits at cuBLAS's rate: 27 / 30
     assert rows["linear_logp backward, of the plain path (>= 1.0)"][1] == (
-        "**missed**: 0.75 (three LM-head GEMMs' time would give 0.90)")
+        "**missed**: 0.75 (0.90 if it took three LM-head GEMMs' time)")
 
 
 def test_a_folder_of_two_commits_or_without_a_file_is_refused(tmp_path, capsys):
