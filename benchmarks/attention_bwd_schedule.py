@@ -61,8 +61,13 @@ def makespan(tokens: int, kv_heads: int, group: int, sms: int, order: str | None
             for block in walk(tile, blocks, order == "descending"):
                 for q in range(group):
                     t += 1.0
-                    # (the tile before in the order sees these rows unless they come before its keys)
+                    # The tile before in the order sees these rows unless they come before its
+                    # keys; one that sees them but no SM has taken yet would never come: deadlock.
                     prior = done.get((tile + before, kv, block, q))
+                    first_chunk = (tile + before) * KEYS // CHUNK
+                    sees = 0 <= tile + before < tiles and block * STEP_ROWS // CHUNK >= first_chunk
+                    if order is not None and prior is None and sees:
+                        raise RuntimeError(f"tile {tile} waits on tile {tile + before}, not yet launched")
                     if order is not None and prior is not None:
                         t = max(t, prior + flush)
                     done[(tile, kv, block, q)] = t

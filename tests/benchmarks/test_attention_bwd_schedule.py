@@ -51,7 +51,8 @@ def test_turns_from_the_last_tile_never_wait_but_launch_the_longest_walk_last():
     assert schedule.makespan(**small, order="last_tile_first") == 16.0
     # two SMs for four tiles of 8, 6, 4 and 2 steps: from tile 0, tiles 0 and 1 first, then 2 after
     # tile 1 (6 + 4) and 3 after tile 0 (8 + 2); from the last tile, 3 and 2 first, then 1 after
-    # tile 3 (2 + 6) and 0 after tile 2 (4 + 8), never waiting on tile 1, which is a step ahead
+    # tile 3 (2 + 6) and 0 after tile 2 (4 + 8), never waiting on tile 1, which reaches each of
+    # their common blocks 4 steps before tile 0 does
     two = dict(tokens=512, kv_heads=1, group=1, sms=2)
     assert schedule.makespan(**two, order=None) == 10.0
     assert schedule.makespan(**two, order="last_tile_first") == 12.0
