@@ -76,18 +76,29 @@ def kernel_span(fn, calls: int = 3) -> None:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
-    busy = sum(e.time_range.end - e.time_range.start for e in kernels) / 1e3
-    span = (kernels[-1].time_range.end - kernels[0].time_range.start) / 1e3
-    print(f"{calls} calls: {len(kernels)} kernels, {busy:.2f} ms of kernel time in a span of {span:.2f} ms")
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not spans:
+        print(f"{calls} calls: the profiler recorded no kernel")
+        return
+    # The union of the kernels' intervals: det_gemm's launches overlap their neighbours (programmatic
+    # dependent launch), so a plain sum could exceed the span and hide a gap.
+    busy, end = 0.0, spans[0][0]
+    for start, stop in spans:
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    span = end - spans[0][0]  # end: the last kernel's end, from the loop
+    print(f"{calls} calls: {len(spans)} kernels, some kernel running for {busy / 1e3:.2f} ms of a span "
+          f"of {span / 1e3:.2f} ms")
 
 
 def back_to_back(fn, calls: int = 8) -> None:
-    time.sleep(2)  # the card idles first, as before a training step's backward
     smi = shutil.which("nvidia-smi")
-    sampler = subprocess.Popen([smi, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+    bus = torch.cuda.get_device_properties(torch.cuda.current_device())
+    card = f"{bus.pci_domain_id:08x}:{bus.pci_bus_id:02x}:{bus.pci_device_id:02x}.0"
+    sampler = subprocess.Popen([smi, f"--id={card}", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
                                 "-lms", "50"], stdout=subprocess.PIPE, text=True) if smi else None
+    time.sleep(2)  # the card idles first, as before a training step's backward (and the sampler starts)
     events = [torch.cuda.Event(enable_timing=True) for _ in range(calls + 1)]
     events[0].record()
     for e in events[1:]:

@@ -54,7 +54,8 @@ def test_a_group_that_waits_for_its_build_cannot_meet_a_later_one(tmp_path):
 def test_a_failed_build_stops_the_group_building_beside_it(tmp_path):
     never = str(tmp_path / "never")
     t0 = time.monotonic()
-    with start(_Meet, 1, args=(str(tmp_path / "waits"), never, 600.0), name="waiting", wait=False) as waiting, \
+    waits = str(tmp_path / "waits")
+    with start(_Meet, 1, args=(waits, never, 600.0), name="waiting", wait=False) as waiting, \
             start(_Refuse, 2, name="refusing", wait=False) as refusing:
         with pytest.raises(WorkerFailed, match="refusing rank [01] of 2 failed: ValueError: no model here"):
             ready_all(waiting, refusing)
