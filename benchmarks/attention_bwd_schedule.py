@@ -46,6 +46,18 @@ def walk(tile: int, blocks: int, descending: bool) -> list[int]:
     return [c * per_chunk + r for c in order for r in range(per_chunk)]
 
 
+def _turn(t: float, done: dict, tile: int, prior: int, tiles: int, kv: int, block: int, q: int,
+          flush: float) -> float:
+    """When `tile` may add its dQ of (block, q): after `prior`, the tile before it in the order, if
+    that one sees these rows (they do not come before its keys). One that sees them but no SM has
+    taken yet would never come: a deadlock, which the model raises."""
+    if not 0 <= prior < tiles or block * STEP_ROWS // CHUNK < prior * KEYS // CHUNK:
+        return t
+    if (prior, kv, block, q) not in done:
+        raise RuntimeError(f"tile {tile} waits on tile {prior}, not yet launched")
+    return max(t, done[(prior, kv, block, q)] + flush)
+
+
 def makespan(tokens: int, kv_heads: int, group: int, sms: int, order: str | None, flush: float = 0.05) -> float:
     """Time until the last CTA ends; order None: no dQ turns (dk/dv today)."""
     tiles, blocks = tokens // KEYS, tokens // STEP_ROWS
@@ -61,15 +73,8 @@ def makespan(tokens: int, kv_heads: int, group: int, sms: int, order: str | None
             for block in walk(tile, blocks, order == "descending"):
                 for q in range(group):
                     t += 1.0
-                    # The tile before in the order sees these rows unless they come before its
-                    # keys; one that sees them but no SM has taken yet would never come: deadlock.
-                    prior = done.get((tile + before, kv, block, q))
-                    first_chunk = (tile + before) * KEYS // CHUNK
-                    sees = 0 <= tile + before < tiles and block * STEP_ROWS // CHUNK >= first_chunk
-                    if order is not None and prior is None and sees:
-                        raise RuntimeError(f"tile {tile} waits on tile {tile + before}, not yet launched")
-                    if order is not None and prior is not None:
-                        t = max(t, prior + flush)
+                    if order is not None:
+                        t = _turn(t, done, tile, tile + before, tiles, kv, block, q, flush)
                     done[(tile, kv, block, q)] = t
             end = max(end, t)
             heapq.heappush(free, t)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from collect_evidence import recorded  # noqa: E402
-from hopper_targets import DATASHEET_TBS, TARGETS, WEIGHT_STREAM_M, judge  # noqa: E402
+from hopper_targets import TARGETS, judge, weight_stream  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 START = re.compile(r"^<!-- hopper-status: (?P<folders>.+) -->$")
@@ -110,11 +110,9 @@ def column(folder: Path) -> tuple[str, dict]:
             v["worst"] += f" ({float(v['worst'].rsplit(': ', 1)[1]) / copy:.2f} of a copy's {copy:.2f})"
     # The weight-stream bar is absolute too: beside it, how many of the rows that miss it cuBLAS
     # misses as well.
-    v, peak = verdicts.get("det_gemm_weight_stream_hbm_fraction"), ops.get("datasheet_tbs", DATASHEET_TBS)
-    stream = [r for r in ops.get("gemm", []) if r.get("op") == "det_gemm" and r["m"] <= WEIGHT_STREAM_M
-              and "r_weight_tbs" in r and "p_weight_tbs" in r]
+    v, (stream, peak) = verdicts.get("det_gemm_weight_stream_hbm_fraction"), weight_stream(ops)
     missed = [r for r in stream if r["r_weight_tbs"] / peak < v["target"]] if v and v["worst"] else []
-    if missed:
+    if missed and all("p_weight_tbs" in r for r in missed):
         both = sum(1 for r in missed if r["p_weight_tbs"] / peak < v["target"])
         which = f"all {len(missed)}" if both == len(missed) else f"{both} of the {len(missed)}"
         v["worst"] += f" (cuBLAS also under {v['target']:g} on {which} rows missed)"

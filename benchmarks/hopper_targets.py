@@ -43,6 +43,14 @@ def _verdict(rows: list[dict], value, bar: float, name, at_least: bool = True) -
                 worst=f"{name(worst)}: {value(worst):.4g}")
 
 
+def weight_stream(result: dict) -> tuple[list[dict], float]:
+    """The det_gemm rows the weight-stream target covers (M <= WEIGHT_STREAM_M, with the stream's
+    TB/s recorded) and the datasheet bandwidth they are a share of."""
+    rows = [r for r in result.get("gemm", []) if r["op"] == "det_gemm" and r["m"] <= WEIGHT_STREAM_M
+            and "r_weight_tbs" in r]
+    return rows, result.get("datasheet_tbs", DATASHEET_TBS)  # results before it was recorded ran on H200s
+
+
 def _row(rows: dict, op: str) -> list[dict]:
     return [rows[op]] if op in rows else []
 
@@ -55,15 +63,14 @@ def judge(result: dict) -> dict:
     shape = lambda r: f"{r['shape']} m={r['m']}"  # noqa: E731
     ratio = lambda r: r["ratio"]  # noqa: E731
     t = TARGETS
-    peak = result.get("datasheet_tbs", DATASHEET_TBS)  # results before it was recorded ran on H200s
+    stream, peak = weight_stream(result)
     return {
         "det_gemm_ratio_decode_m": _verdict([r for r in gemm if r["m"] in DECODE_M], ratio,
                                             t["det_gemm_ratio_decode_m"], shape),
         "det_gemm_ratio_large_m": _verdict([r for r in gemm if r["m"] in LARGE_M], ratio,
                                            t["det_gemm_ratio_large_m"], shape),
         "det_gemm_weight_stream_hbm_fraction": _verdict(
-            [r for r in gemm if r["m"] <= WEIGHT_STREAM_M and "r_weight_tbs" in r],
-            lambda r: r["r_weight_tbs"] / peak, t["det_gemm_weight_stream_hbm_fraction"], shape),
+            stream, lambda r: r["r_weight_tbs"] / peak, t["det_gemm_weight_stream_hbm_fraction"], shape),
         "det_gemm_backward_ratio": _verdict(backward, ratio, t["det_gemm_backward_ratio"], lambda r: r["op"]),
         "linear_logp_ratio_vs_lm_head_gemm": _verdict(
             _row(logp, "linear_logp"), lambda r: r["ratio_vs_lm_head_gemm"],
